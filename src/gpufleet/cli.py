@@ -1,0 +1,62 @@
+"""The ``gpufleet`` command line: run/get/list/logs/cancel/validate/advise/doctor.
+
+Each command group lives in its own module and registers its subcommands here through an
+``add_parsers(subparsers)`` function; this file only wires them together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# module path -> the commands it adds (its add_parsers(subparsers) registers them)
+_COMMAND_MODULES = {
+    "gpufleet.workload.commands": ("run", "get", "list", "logs", "cancel", "validate", "schema"),
+    "gpufleet.strategies.advisor_cli": ("advise",),
+    "gpufleet.doctor": ("doctor",),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser with every available command."""
+    parser = argparse.ArgumentParser(
+        prog="gpufleet",
+        description="Multi-GPU and multi-node PyTorch training: workloads, runs and tools.",
+    )
+    parser.add_argument("--version", action="version", version=f"gpufleet {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith("gpufleet"):
+                continue  # command group not present in this build
+            raise
+        module.add_parsers(sub)
+    return parser
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``gpufleet`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The one worker entry point: every launcher runs each rank through :func:`run_rank`.
+
+Run as ``python -m gpufleet.launch.worker RUN_DIR RANK`` by the local launcher. It loads the
+cloudpickled call from the run directory, runs it, and writes the rank's outcome file
+atomically (``ok`` with the pickled return value, or ``error`` with the exception, its type and
+its traceback).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from ..results import ERROR, OK, RunDir, write_outcome
+
+PARENT_PID_ENV = "GPUFLEET_PARENT_PID"
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Kill this rank's process group if the launching process dies (no orphans)."""
+
+    def loop() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                try:
+                    os.killpg(os.getpgrp(), signal.SIGKILL)
+                finally:
+                    os._exit(137)
+
+    threading.Thread(target=loop, name="gpufleet-parent-watch", daemon=True).start()
+
+
+def _describe_exception(exc: BaseException) -> dict[str, Any]:
+    import cloudpickle
+
+    exc_bytes: bytes | None
+    try:
+        exc_bytes = cloudpickle.dumps(exc)
+        cloudpickle.loads(exc_bytes)  # some exceptions pickle but cannot be rebuilt
+    except Exception:
+        exc_bytes = None
+    exc_type = type(exc)
+    return {
+        "exc_type": exc_type.__name__,
+        "exc_qualname": f"{exc_type.__module__}.{exc_type.__qualname__}",
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "exc_bytes": exc_bytes,
+    }
+
+
+def _destroy_process_group() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def run_rank(call_bytes: bytes, rank: int, outcome_path: Path) -> bool:
+    """Run the pickled call as ``rank`` and write its outcome. Returns True on success."""
+    import cloudpickle
+
+    try:
+        func, args, kwargs = cloudpickle.loads(call_bytes)
+    except BaseException as exc:  # noqa: BLE001 - reported to the caller
+        info = _describe_exception(exc)
+        info["message"] = f"the function could not be loaded in the worker: {info['message']}"
+        write_outcome(outcome_path, ERROR, rank, **info)
+        return False
+    try:
+        value = func(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - SystemExit too: the caller must hear of it
+        write_outcome(outcome_path, ERROR, rank, **_describe_exception(exc))
+        _destroy_process_group()
+        return False
+    try:
+        value_bytes = cloudpickle.dumps(value)
+    except Exception as exc:
+        import pickle
+
+        err = pickle.PicklingError(
+            f"the return value of rank {rank} (type {type(value).__module__}.{type(value).__qualname__}) "
+            f"cannot be pickled, so it cannot be sent back: {exc}. Return plain data (numbers, "
+            "lists, dicts, tensors, numpy arrays) instead, or save it to a file and return the path."
+        )
+        write_outcome(outcome_path, ERROR, rank, **_describe_exception(err))
+        _destroy_process_group()
+        return False
+    write_outcome(outcome_path, OK, rank, value=value_bytes)
+    _destroy_process_group()
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry of ``python -m gpufleet.launch.worker RUN_DIR RANK``."""
+    argv = sys.argv[1:] if argv is None else argv
+    run_dir, rank = RunDir(Path(argv[0])), int(argv[1])
+    parent = os.environ.get(PARENT_PID_ENV)
+    if parent:
+        _watch_parent(int(parent))
+    faulthandler.enable()  # a segfault prints the Python stack into the rank's log
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stack dump on hang diagnosis
+
+    import pickle
+
+    payload = pickle.loads(run_dir.payload.read_bytes())
+    for entry in payload.get("sys_path", []):
+        if entry not in sys.path:
+            sys.path.append(entry)
+    ok = run_rank(payload["call"], rank, run_dir.outcome(rank))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Who am I: rank helpers and process-group setup, usable inside workers.
+
+This is the one module that reads the torchrun rendezvous environment (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``). Outside a launched worker every helper returns single-process values.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = [
+    "get_global_rank",
+    "get_local_rank",
+    "get_world_size",
+    "get_local_world_size",
+    "get_node_rank",
+    "get_num_nodes",
+    "get_master_addr",
+    "get_master_port",
+    "is_main_process",
+    "is_distributed_env",
+    "setup",
+    "barrier",
+    "device",
+]
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from e
+
+
+def get_global_rank() -> int:
+    """This process's rank among all ranks (``RANK``; 0 outside a run)."""
+    return _env_int("RANK", 0)
+
+
+def get_local_rank() -> int:
+    """This process's rank on its node (``LOCAL_RANK``; 0 outside a run)."""
+    return _env_int("LOCAL_RANK", 0)
+
+
+def get_world_size() -> int:
+    """Number of ranks in the run (``WORLD_SIZE``; 1 outside a run)."""
+    return _env_int("WORLD_SIZE", 1)
+
+
+def get_local_world_size() -> int:
+    """Number of ranks on this node (``LOCAL_WORLD_SIZE``; 1 outside a run)."""
+    return _env_int("LOCAL_WORLD_SIZE", 1)
+
+
+def get_node_rank() -> int:
+    """Index of this node (``NODE_RANK``, else ``GROUP_RANK``; 0 outside a run)."""
+    return _env_int("NODE_RANK", _env_int("GROUP_RANK", 0))
+
+
+def get_num_nodes() -> int:
+    """Number of nodes (``NUM_NODES``, else world size / local world size)."""
+    return _env_int("NUM_NODES", max(1, get_world_size() // max(1, get_local_world_size())))
+
+
+def get_master_addr() -> str:
+    """Address of rank 0's rendezvous store (``MASTER_ADDR``)."""
+    return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+
+def get_master_port() -> int:
+    """Port of rank 0's rendezvous store (``MASTER_PORT``)."""
+    return _env_int("MASTER_PORT", 29500)
+
+
+def is_main_process() -> bool:
+    """True on global rank 0 (and outside a run)."""
+    return get_global_rank() == 0
+
+
+def is_distributed_env() -> bool:
+    """True when the rendezvous environment of a launcher is present."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def device() -> Any:
+    """The ``torch.device`` this rank should use: ``cuda:LOCAL_RANK`` on GPUs, else CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", get_local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def setup(backend: str | None = None, timeout_s: float | None = None) -> Any:
+    """Select this rank's device and initialise the default process group.
+
+    Args:
+        backend: ``None`` picks ``nccl`` when CUDA is available and ``gloo`` otherwise.
+            Pass ``"cpu:gloo,cuda:nccl"`` when CPU collectives are needed beside NCCL
+            (asynchronous checkpoints), or any backend string torch accepts.
+        timeout_s: collective timeout in seconds (torch's default when ``None``).
+
+    Returns:
+        The ``torch.device`` of this rank. Calling it again returns the same device.
+        Outside a launched run it initialises a one-rank group, so the same code also
+        runs as a plain single process.
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    dev = device()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if dist.is_available() and dist.is_initialized():
+        return dev
+    if backend is None:
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {"backend": backend}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    if dev.type == "cuda" and "nccl" in backend:
+        kwargs["device_id"] = dev  # eager NCCL init: the first collective does not stall
+    if is_distributed_env():
+        dist.init_process_group(**kwargs, init_method="env://")
+    else:
+        kwargs.pop("device_id", None)
+        dist.init_process_group(**kwargs, store=dist.HashStore(), rank=0, world_size=1)
+    return dev
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op when no process group is initialised)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "nccl":
+        import torch
+
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
