@@ -35,6 +35,8 @@ class LaunchOptions:
     max_retries: int = 0
     name: str | None = None
     ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
+    tracking: bool = True
+    experiment_name: str | None = None
 
     def check(self) -> None:
         """Reject wrong settings with a message that says what is allowed."""
@@ -54,6 +56,14 @@ class LaunchOptions:
             raise LaunchConfigError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
         if not isinstance(self.grace_period_s, (int, float)) or self.grace_period_s < 0:
             raise LaunchConfigError(f"grace_period_s must be >= 0, got {self.grace_period_s!r}")
+        if not isinstance(self.tracking, bool):
+            raise LaunchConfigError(f"tracking must be True or False, got {self.tracking!r}")
+        if self.experiment_name is not None and (
+            not isinstance(self.experiment_name, str) or not self.experiment_name.strip()
+        ):
+            raise LaunchConfigError(
+                f"experiment_name must be a non-empty string (an MLflow experiment) or None, got {self.experiment_name!r}"
+            )
         if not isinstance(self.remote, (bool, str)):
             raise LaunchConfigError(f"remote must be False, True or a Ray address string, got {self.remote!r}")
 
@@ -128,6 +138,11 @@ class RunHandle:
     @property
     def run_id(self) -> str:
         return self._execution.current.run_id
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        """The current attempt's MLflow run id (None when tracking is off)."""
+        return getattr(self._execution.current, "mlflow_run_id", None)
 
     @property
     def run_dir(self) -> str:
@@ -315,8 +330,20 @@ class DistributedFunction:
             logs=LogConfig(enabled=opts.stream_logs, full_ranks=opts.log_ranks, stderr=opts.stream_stderr),
         )
 
+        from .tracking import tracking_enabled
+
+        track = opts.tracking and tracking_enabled()
+
         def start_attempt(attempt: int) -> LocalRun:
             attempt_spec = replace(spec, env={**spec.env, "GPUFLEET_ATTEMPT": str(attempt)})
+            if track:  # one MLflow run per attempt; MLflow is imported only here
+                from .tracking.launch import start_tracked_local_run
+
+                return start_tracked_local_run(
+                    LocalRun(attempt_spec, call_bytes), function_name=getattr(self.func, "__qualname__", name),
+                    gpus=opts.gpus, gpu_type=opts.gpu_type, experiment_name=opts.experiment_name,
+                    attempt=attempt, max_retries=opts.max_retries, timeout=opts.timeout,
+                )
             return LocalRun(attempt_spec, call_bytes).start()
 
         return _Execution(start_attempt, opts.max_retries)
@@ -375,7 +402,9 @@ def distributed(
         timeout: seconds for the whole call, ``None`` for no limit.
         **options: ``log_ranks`` ("all" or ranks streamed in full, default ``[0]``),
             ``stream_logs``, ``stream_stderr``, ``env`` (extra environment for every rank),
-            ``runs_dir``, ``grace_period_s``, ``max_retries``, ``name``, ``ray_init_kwargs``.
+            ``runs_dir``, ``grace_period_s``, ``max_retries``, ``name``, ``ray_init_kwargs``,
+            ``tracking`` (one MLflow run per call/attempt, default True; also off with
+            ``GPUFLEET_TRACKING=0``), ``experiment_name`` (the MLflow experiment).
 
     Works bare (``@distributed``) and with arguments (``@distributed(gpus=2)``).
     """

@@ -1,0 +1,33 @@
+"""MLflow tracking for every gpufleet call and workload attempt.
+
+``start_tracked_run`` opens one MLflow run (nested under an active run, if any) whose id,
+tracking URI and experiment are handed to every rank through the environment, so
+``mlflow.log_*``, Hugging Face ``report_to="mlflow"`` and Lightning's ``MLFlowLogger`` log into
+it. A sampler thread logs the node's system metrics (``system/...``) while the run is open.
+
+Importing this package is light: MLflow is imported only when a tracked run starts.
+"""
+
+from __future__ import annotations
+
+from .runs import (
+    DATA_WAIT_METRIC,
+    TRACKING_ENV,
+    TrackedRun,
+    default_tracking_uri,
+    flatten_params,
+    log_data_wait,
+    start_tracked_run,
+    tracking_enabled,
+)
+
+__all__ = [
+    "DATA_WAIT_METRIC",
+    "TRACKING_ENV",
+    "TrackedRun",
+    "default_tracking_uri",
+    "flatten_params",
+    "log_data_wait",
+    "start_tracked_run",
+    "tracking_enabled",
+]
