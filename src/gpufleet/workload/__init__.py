@@ -1,0 +1,1 @@
+"""YAML workloads: schema, run store, background supervisor and the CLI commands."""

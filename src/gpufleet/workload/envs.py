@@ -1,0 +1,97 @@
+"""Per-run Python environments: a venv layered on the current one, cached by its spec."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import site
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import IO
+
+logger = logging.getLogger(__name__)
+
+_READY = ".gpufleet-ready"
+
+
+class EnvironmentSetupError(RuntimeError):
+    """Installing a run's dependencies failed."""
+
+
+def env_hash(dependencies: list[str]) -> str:
+    """Cache key of an environment: the dependency list and the interpreter it layers on."""
+    spec = {
+        "dependencies": sorted(d.strip() for d in dependencies),
+        "python": sys.executable,
+        "version": sys.version,
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _parent_site_dirs() -> list[str]:
+    dirs = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    dirs += site.getsitepackages() if hasattr(site, "getsitepackages") else []
+    out: list[str] = []
+    for d in dirs:
+        if d not in out and os.path.isdir(d):
+            out.append(d)
+    return out
+
+
+def ensure_environment(dependencies: list[str], envs_dir: Path, log: IO[str]) -> Path:
+    """The ``bin`` folder of a venv with ``dependencies`` installed, built once per spec.
+
+    The venv sees the packages of the current environment (``--system-site-packages`` plus a
+    ``.pth`` file naming the current site-packages, since a venv built from a venv would
+    otherwise see only the base interpreter's); its own packages take precedence.
+    """
+    key = env_hash(dependencies)
+    envs_dir.mkdir(parents=True, exist_ok=True)
+    target = envs_dir / key
+    with open(envs_dir / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per spec; the others wait and reuse it
+        if (target / _READY).exists():
+            log.write(f"gpufleet: reusing environment {target}\n")
+            log.flush()
+            return target / "bin"
+        if target.exists():
+            shutil.rmtree(target)  # a build that was interrupted
+        log.write(f"gpufleet: building environment {target} for {dependencies}\n")
+        log.flush()
+        _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(target)], log)
+        purelib = _venv_purelib(target)
+        (purelib / "_gpufleet_parent_env.pth").write_text("\n".join(_parent_site_dirs()) + "\n")
+        _run(
+            [sys.executable, "-m", "pip", "--python", str(target / "bin" / "python"), "install",
+             "--disable-pip-version-check", "--no-input", *dependencies],
+            log,
+        )  # fmt: skip
+        (target / _READY).write_text(json.dumps({"dependencies": dependencies}))
+        return target / "bin"
+
+
+def _venv_purelib(target: Path) -> Path:
+    out = subprocess.run(
+        [str(target / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    path = Path(out.stdout.strip())
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _run(cmd: list[str], log: IO[str]) -> None:
+    log.write("$ " + " ".join(cmd) + "\n")
+    log.flush()
+    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise EnvironmentSetupError(
+            f"`{' '.join(cmd[:4])} ...` failed with exit code {proc.returncode}; see the "
+            "environment log of the run (gpufleet logs RUN_ID --setup) for pip's output"
+        )

@@ -1,0 +1,61 @@
+"""Leader of one node's process group: runs the command and stops the group if the supervisor dies.
+
+``python -m gpufleet.workload.guard -- bash -c COMMAND`` is started by the supervisor in a new
+session. It waits for the command and exits with its exit code. If the supervisor goes away
+(even by SIGKILL) it notices within a fraction of a second, terminates every process of its
+group (the command and whatever it started), and kills those that do not stop.
+
+Kept free of gpufleet imports so it starts in a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+_POLL_S = 0.25
+_GRACE_S = 5.0
+
+
+def _stop_group() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    pgid = os.getpgid(0)
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    time.sleep(_GRACE_S)
+    os.killpg(pgid, signal.SIGKILL)  # the guard goes with its group
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command after ``--``; returns its exit code (128 + signal when killed)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv or argv.index("--") == len(argv) - 1:
+        print("usage: python -m gpufleet.workload.guard -- COMMAND...", file=sys.stderr)
+        return 2
+    command = argv[argv.index("--") + 1 :]
+    parent = os.getppid()
+    # TERM/INT reach the whole group from the supervisor; the guard outlives the command
+    # so that its exit code is reported.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    child = subprocess.Popen(command)
+    while True:
+        try:
+            code = child.wait(timeout=_POLL_S)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if os.getppid() != parent:  # the supervisor died: we were re-parented
+            print("gpufleet: the run's supervisor died; stopping this node", file=sys.stderr, flush=True)
+            _stop_group()
+            return 1
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""Terminal views of runs: the live ``--watch`` stream, run tables, log tails.
+
+On a terminal they use rich (a live status line under the streamed logs, tables); when the
+output is a pipe or a file they print plain lines that scripts can parse.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO
+
+from .store import TERMINAL_STATES, RunRecord, RunStore
+
+_STATE_STYLE = {
+    "PENDING": "yellow",
+    "RUNNING": "cyan",
+    "SUCCESS": "green",
+    "FAILED": "red",
+    "CANCELED": "magenta",
+    "TIMEDOUT": "red",
+}
+
+
+def is_terminal(stream: IO[str]) -> bool:
+    """Whether ``stream`` is an interactive terminal (and colours are not switched off)."""
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):
+        return False
+
+
+def fmt_time(ts: float | None) -> str:
+    """A timestamp as local ``YYYY-mm-dd HH:MM:SS`` (``-`` when absent)."""
+    if ts is None:
+        return "-"
+    return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def fmt_duration(seconds: float | None) -> str:
+    """Seconds as ``1h02m03s`` / ``2m05s`` / ``4.2s``."""
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def status_line(run: RunRecord) -> str:
+    """One line describing where a run stands."""
+    attempt = len(run.attempts)
+    parts = [f"run {run.id}", run.state]
+    if attempt:
+        parts.append(f"attempt {attempt}/{run.max_attempts}")
+    parts.append(fmt_duration(run.duration_s))
+    if run.state in TERMINAL_STATES and run.message:
+        parts.append(run.message)
+    return " | ".join(parts)
+
+
+# ------------------------------------------------------------------ log tailing
+
+
+class LogFollower:
+    """Reads new complete lines from the log files of a run as they grow."""
+
+    def __init__(self, run: RunRecord, node: int | None = None, attempt: int | None = None) -> None:
+        self.node = node
+        self.attempt = attempt
+        self._offsets: dict[Path, int] = {}
+        self._partial: dict[Path, bytes] = {}
+        self._announced: set[int] = set()
+        self.run_dir = Path(run.run_dir)
+
+    def files(self, run: RunRecord) -> list[tuple[str, Path]]:
+        """``(prefix, path)`` of each log file to follow, in order."""
+        out: list[tuple[str, Path]] = []
+        if self.attempt is None and self.node is None:
+            out.append(("[setup] ", self.run_dir / "environment.log"))
+        for a in run.attempts:
+            if self.attempt is not None and a.attempt != self.attempt:
+                continue
+            nodes = [self.node] if self.node is not None else range(run.num_nodes)
+            for n in nodes:
+                out.append((f"[node {n}] ", Path(a.log_dir) / f"node-{n}.log"))
+        return out
+
+    def read(self, run: RunRecord, final: bool = False) -> Iterator[tuple[str, str]]:
+        """New ``(prefix, line)`` pairs; ``final`` also yields an unterminated last line."""
+        for a in run.attempts:
+            if (self.attempt is None and a.attempt not in self._announced and len(run.attempts) > 1):
+                self._announced.add(a.attempt)
+                yield "", f"--- attempt {a.attempt}/{run.max_attempts} ---"
+        for prefix, path in self.files(run):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._offsets.get(path, 0))
+                    data = f.read()
+                    self._offsets[path] = f.tell()
+            except FileNotFoundError:
+                continue
+            buf = self._partial.pop(path, b"") + data
+            lines = buf.split(b"\n")
+            rest = lines.pop()
+            if rest and final:
+                lines.append(rest)
+            elif rest:
+                self._partial[path] = rest
+            for line in lines:
+                yield prefix, line.decode("utf-8", "replace").rstrip("\r")
+
+
+def tail_lines(path: Path, num_lines: int | None) -> list[str]:
+    """The last ``num_lines`` lines of a file (all of them for None)."""
+    try:
+        text = path.read_bytes().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return []
+    lines = text.splitlines()
+    return lines if num_lines is None else lines[-num_lines:] if num_lines > 0 else []
+
+
+# ------------------------------------------------------------------ watch
+
+
+def watch(
+    store: RunStore,
+    run_id: str,
+    out: IO[str] | None = None,
+    status_out: IO[str] | None = None,
+    poll_s: float = 0.25,
+    node: int | None = None,
+) -> RunRecord:
+    """Stream a run's logs with its status until it ends; returns the final record."""
+    out = out or sys.stdout
+    status_out = status_out or sys.stderr
+    run = store.get(run_id)
+    follower = LogFollower(run, node=node)
+    if is_terminal(status_out) and status_out is sys.stderr and out is sys.stdout and is_terminal(out):
+        return _watch_rich(store, run, follower, poll_s)
+    last_status = ""
+
+    def emit_status(r: RunRecord) -> None:
+        nonlocal last_status
+        key = f"{r.state}/{len(r.attempts)}"
+        if key != last_status:
+            last_status = key
+            status_out.write(f"gpufleet: {status_line(r)}\n")
+            status_out.flush()
+
+    emit_status(run)
+    while True:
+        done = run.state in TERMINAL_STATES
+        for prefix, line in follower.read(run, final=done):
+            out.write(prefix + line + "\n")
+        out.flush()
+        emit_status(run)
+        if done:
+            return run
+        time.sleep(poll_s)
+        run = store.get(run.id)
+
+
+def _watch_rich(store: RunStore, run: RunRecord, follower: LogFollower, poll_s: float) -> RunRecord:
+    from rich.console import Console
+    from rich.live import Live
+    from rich.spinner import Spinner
+    from rich.text import Text
+
+    console = Console()
+
+    def render(r: RunRecord) -> Spinner | Text:
+        style = _STATE_STYLE.get(r.state, "")
+        text = Text.assemble(("run ", "dim"), (r.id, "bold"), "  ", (r.state, f"bold {style}"))
+        if r.attempts:
+            text.append(f"  attempt {len(r.attempts)}/{r.max_attempts}", style="dim")
+        text.append(f"  {fmt_duration(r.duration_s)}", style="dim")
+        if r.state in TERMINAL_STATES:
+            if r.message:
+                text.append(f"\n{r.message}", style=style)
+            return text
+        return Spinner("dots", text=text)
+
+    with Live(render(run), console=console, refresh_per_second=8, transient=False) as live:
+        while True:
+            done = run.state in TERMINAL_STATES
+            for prefix, line in follower.read(run, final=done):
+                live.console.print(Text(prefix, style="dim") + Text(line), soft_wrap=True)
+            live.update(render(run))
+            if done:
+                return run
+            time.sleep(poll_s)
+            run = store.get(run.id)
+
+
+def follow_logs(
+    store: RunStore,
+    run_id: str,
+    write: Callable[[str, str], None],
+    node: int | None = None,
+    attempt: int | None = None,
+    poll_s: float = 0.25,
+) -> RunRecord:
+    """Call ``write(prefix, line)`` for each new log line until the run ends."""
+    run = store.get(run_id)
+    follower = LogFollower(run, node=node, attempt=attempt)
+    while True:
+        done = run.state in TERMINAL_STATES
+        for prefix, line in follower.read(run, final=done):
+            write(prefix, line)
+        if done:
+            return run
+        time.sleep(poll_s)
+        run = store.get(run.id)
+
+
+# ------------------------------------------------------------------ tables
+
+
+def runs_table(runs: list[RunRecord], out: IO[str] | None = None) -> None:
+    """Print runs as a table (rich on a terminal, tab-separated lines otherwise)."""
+    out = out or sys.stdout
+    headers = ["ID", "STATE", "EXPERIMENT", "NODES", "WORLD", "ATTEMPTS", "CREATED", "DURATION"]
+    rows = [
+        [
+            r.id,
+            r.state,
+            r.experiment,
+            str(r.num_nodes),
+            str(r.world_size),
+            f"{len(r.attempts)}/{r.max_attempts}",
+            fmt_time(r.created_at),
+            fmt_duration(r.duration_s),
+        ]
+        for r in runs
+    ]
+    if is_terminal(out):
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(box=None, header_style="bold")
+        for h in headers:
+            table.add_column(h)
+        for row in rows:
+            table.add_row(*row[:1], f"[{_STATE_STYLE.get(row[1], '')}]{row[1]}[/]", *row[2:])
+        Console(file=out).print(table)
+        return
+    out.write("\t".join(headers) + "\n")
+    for row in rows:
+        out.write("\t".join(row) + "\n")
+
+
+def run_details(run: RunRecord, out: IO[str] | None = None) -> None:
+    """Print one run's details: state, times, config summary, attempts and log paths."""
+    out = out or sys.stdout
+    c = run.config.get("compute", {})
+    lines = [
+        ("id", run.id),
+        ("state", run.state),
+        ("experiment", run.experiment),
+        ("compute", f"{run.num_nodes} node(s) x {c.get('accelerator_type')} (world size {run.world_size})"),
+        ("created", fmt_time(run.created_at)),
+        ("started", fmt_time(run.started_at)),
+        ("ended", fmt_time(run.ended_at)),
+        ("duration", fmt_duration(run.duration_s)),
+        ("attempts", f"{len(run.attempts)}/{run.max_attempts}"),
+        ("exit code", "-" if run.exit_code is None else str(run.exit_code)),
+        ("message", run.message or "-"),
+        ("idempotency key", run.idempotency_key or "-"),
+        ("run dir", run.run_dir),
+        ("workload", run.workload_path or "-"),
+        ("supervisor pid", "-" if run.supervisor_pid is None else str(run.supervisor_pid)),
+    ]
+    width = max(len(k) for k, _ in lines)
+    for k, v in lines:
+        out.write(f"{k:<{width}}  {v}\n")
+    for a in run.attempts:
+        out.write(
+            f"attempt {a.attempt}: {a.state}  started {fmt_time(a.started_at)}  "
+            f"ended {fmt_time(a.ended_at)}  exit code {'-' if a.exit_code is None else a.exit_code}  "
+            f"mlflow run {a.mlflow_run_id or '-'}\n"
+        )
+        if a.message:
+            out.write(f"  {a.message}\n")
+        for n in range(run.num_nodes):
+            out.write(f"  node {n} log: {Path(a.log_dir) / f'node-{n}.log'}\n")
