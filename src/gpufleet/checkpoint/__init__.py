@@ -1,0 +1,22 @@
+"""Checkpoints that resume exactly: DCP shards per rank, ``step-N`` folders, keep-last-K,
+asynchronous saves, resume from the newest complete checkpoint, export for inference.
+
+Importing this package does not import torch; torch is loaded when a manager is created.
+"""
+
+from __future__ import annotations
+
+from .export import export_checkpoint, load_model_state_dict
+from .layout import CheckpointInfo, latest_complete, list_checkpoints
+from .manager import CheckpointError, CheckpointManager, is_deepspeed_engine
+
+__all__ = [
+    "CheckpointManager",
+    "CheckpointError",
+    "CheckpointInfo",
+    "export_checkpoint",
+    "load_model_state_dict",
+    "list_checkpoints",
+    "latest_complete",
+    "is_deepspeed_engine",
+]

@@ -1,0 +1,462 @@
+"""The checkpoint manager: save and resume training state with ``torch.distributed.checkpoint``.
+
+Every rank writes its own shard of the model and optimizer in parallel (DCP), plus a small
+file of its own state (RNG states and data-loader position). Rank 0 writes the completion
+marker last. Old complete checkpoints beyond ``keep_last`` are deleted; torn ones are kept
+aside and never loaded. A DeepSpeed engine is saved with its own ``save_checkpoint`` into the
+same ``step-N`` layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import layout
+from .rng import capture_rng_state, restore_rng_state
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointManager", "CheckpointError"]
+
+RANK_STATE_NAME = "gpufleet-rank-{rank}.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded as asked."""
+
+
+def _import_torch_dist() -> Any:
+    try:
+        import torch.distributed as dist
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError("checkpoints need torch: pip install 'gpufleet[torch]'") from e
+    return dist
+
+
+def is_deepspeed_engine(obj: Any) -> bool:
+    """True for an object that checkpoints itself like a DeepSpeed engine."""
+    return callable(getattr(obj, "save_checkpoint", None)) and callable(getattr(obj, "load_checkpoint", None))
+
+
+class _PendingSave:
+    """An asynchronous save in flight; a thread waits for it and marks it complete."""
+
+    def __init__(self, manager: CheckpointManager, step: int, path: Path, future: Any, started: float) -> None:
+        self.step = step
+        self.path = path
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(manager, future, started), name=f"gpufleet-ckpt-{step}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, manager: CheckpointManager, future: Any, started: float) -> None:
+        try:
+            future.result()
+            manager._finish(self.step, self.path, started, is_async=True)
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+            self.error = e
+
+    def join(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            raise CheckpointError(f"asynchronous save of step {self.step} to {self.path} failed: {self.error}") from self.error
+
+
+class CheckpointManager:
+    """Save and resume the whole training state in ``<root>/step-N`` folders.
+
+    Create one on every rank, after the model and optimizer are wrapped (DDP, FSDP2) or after
+    ``deepspeed.initialize``; with a process group initialised the constructor is a
+    collective call. Then ``start = manager.resume() or 0`` before the loop and
+    ``manager.save(step)`` every so often inside it.
+
+    What a checkpoint holds: the model and optimizer (through
+    ``torch.distributed.checkpoint.state_dict``, so DDP, FSDP2 and plain modules share one
+    format and a checkpoint loads onto another number of ranks or from DDP into FSDP2 and
+    back), the LR scheduler, any extra ``stateful`` objects, the step, and per rank the RNG
+    states (Python, NumPy, torch, CUDA) and the data loader's position.
+
+    Args:
+        root: folder of the checkpoints (shared by all ranks, e.g. a network file system
+            for several nodes).
+        model: the model (plain, DDP, FSDP2), or a DeepSpeed engine (anything with
+            ``save_checkpoint``/``load_checkpoint``), which is then saved with its own format.
+        optimizer: an optimizer or a list of them (not with a DeepSpeed engine: the engine
+            holds its optimizer).
+        scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``).
+        dataloader: the data loader or dataset whose position is saved per rank, e.g. a
+            :class:`gpufleet.data.TimedDataLoader`.
+        stateful: more objects with ``state_dict``/``load_state_dict`` whose state is the same
+            on every rank (saved once).
+        keep_last: number of complete checkpoints kept; older complete ones are deleted after
+            each save. ``None`` keeps all.
+        async_save: write in the background (``dcp.async_save``): ``save`` returns once the
+            state is copied to host memory; the next ``save`` (or :meth:`wait`) waits for the
+            previous one. Uses a gloo process group of its own, so the training's own
+            collectives never share a group with the background writer.
+        process_group: group for the checkpoint's collectives (a CPU-capable one for
+            asynchronous saves); by default the default group, or a new gloo group when saving
+            asynchronously or when the default group has no CPU backend.
+        save_rng: save and restore the RNG states.
+
+    Raises:
+        ValueError: a wrong argument (the message says which).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        dataloader: Any = None,
+        stateful: Mapping[str, Any] | None = None,
+        keep_last: int | None = 3,
+        async_save: bool = False,
+        process_group: Any = None,
+        save_rng: bool = True,
+    ) -> None:
+        if not isinstance(root, (str, os.PathLike)) or str(root) == "":
+            raise ValueError(f"root must be a folder path, got {root!r}")
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be an integer >= 1 or None (keep all), got {keep_last!r}")
+        self.root = Path(root).expanduser().absolute()
+        self.model = model
+        self.deepspeed = model is not None and is_deepspeed_engine(model)
+        optimizers = [] if optimizer is None else list(optimizer) if isinstance(optimizer, Sequence) else [optimizer]
+        if optimizers and model is None:
+            raise ValueError("an optimizer is saved together with its model: pass model= as well")
+        if self.deepspeed and optimizers:
+            raise ValueError(
+                "a DeepSpeed engine saves its own optimizer: pass the engine as model= and no optimizer="
+            )
+        if self.deepspeed and async_save:
+            raise ValueError(
+                "async_save is not available for a DeepSpeed engine; use async_save=False (DeepSpeed "
+                "has its own asynchronous checkpoint engines, configured in its config)"
+            )
+        for name, obj in {"scheduler": scheduler, "dataloader": dataloader, **dict(stateful or {})}.items():
+            if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise ValueError(f"{name} must have state_dict() and load_state_dict(), got {type(obj).__name__}")
+        self.optimizers = optimizers
+        self.scheduler = scheduler
+        self.dataloader = dataloader
+        self.stateful = dict(stateful or {})
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.save_rng = save_rng
+        self.last_save: dict[str, Any] = {}
+        self._pending: _PendingSave | None = None
+
+        dist = _import_torch_dist()
+        self._dist_on = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self._dist_on else 0
+        self.world_size = dist.get_world_size() if self._dist_on else 1
+        self._pg = process_group
+        if self._dist_on and process_group is None:
+            default_has_cpu = "gloo" in str(dist.get_backend())
+            if async_save or not default_has_cpu:
+                self._pg = dist.new_group(backend="gloo")
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    # -- queries --------------------------------------------------------------------------
+    def checkpoints(self) -> list[layout.CheckpointInfo]:
+        """Every ``step-N`` folder under the root, oldest first, torn ones included."""
+        return layout.list_checkpoints(self.root)
+
+    def latest(self) -> layout.CheckpointInfo | None:
+        """The newest complete checkpoint, or None."""
+        return layout.latest_complete(self.root)
+
+    # -- collectives ----------------------------------------------------------------------
+    def _barrier(self) -> None:
+        if not self._dist_on:
+            return
+        if self._pg is not None:
+            _import_torch_dist().barrier(group=self._pg)
+        else:
+            from .. import runtime
+
+            runtime.barrier()
+
+    def _broadcast(self, value: Any) -> Any:
+        if not self._dist_on:
+            return value
+        dist = _import_torch_dist()
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._pg)
+        return box[0]
+
+    # -- saving ---------------------------------------------------------------------------
+    def _dcp_state(self) -> dict[str, Any]:
+        """The state dict handed to DCP (targets to fill when loading)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        state: dict[str, Any] = {}
+        if self.model is not None:
+            if self.optimizers:
+                state["model"], state["optimizer"] = get_state_dict(self.model, self.optimizers)
+            else:
+                state["model"] = get_model_state_dict(self.model)
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler
+        for name, obj in self.stateful.items():
+            state[f"stateful.{name}"] = obj
+        return state
+
+    def _rank_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"rank": self.rank, "world_size": self.world_size}
+        if self.save_rng:
+            state["rng"] = capture_rng_state()
+        if self.dataloader is not None:
+            state["dataloader"] = self.dataloader.state_dict()
+        return state
+
+    def _write_rank_state(self, path: Path) -> None:
+        import torch
+
+        target = path / RANK_STATE_NAME.format(rank=self.rank)
+        tmp = target.with_name(f".{target.name}.tmp")
+        torch.save(self._rank_state(), tmp)
+        os.replace(tmp, target)
+
+    def _prepare_dir(self, path: Path) -> None:
+        if self.rank == 0 and path.exists():
+            logger.warning("replacing the existing folder %s", path)
+            layout.remove_checkpoint(path)
+        self._barrier()
+        path.mkdir(parents=True, exist_ok=True)
+
+    def save(self, step: int) -> Path:
+        """Save the training state as checkpoint ``step`` (call on every rank).
+
+        ``step`` should count the optimizer steps done, so ``resume()`` returns the step to
+        continue from. With ``async_save`` this returns once the state is staged in host
+        memory and the files are written in the background; a previous asynchronous save is
+        waited for first.
+
+        Returns:
+            The checkpoint's folder.
+
+        Raises:
+            CheckpointError: the previous asynchronous save failed.
+        """
+        path = layout.step_dir(self.root, step)
+        self.wait()
+        started = time.perf_counter()
+        self._prepare_dir(path)
+        if self.deepspeed:
+            self._save_deepspeed(step, path)
+            self._write_rank_state(path)
+            self._barrier()
+            self._finish(step, path, started, is_async=False)
+            return path
+        import torch.distributed.checkpoint as dcp
+
+        self._write_rank_state(path)
+        state = self._dcp_state()
+        if self.async_save:
+            response = dcp.async_save(state, checkpoint_id=str(path), process_group=self._pg)
+            future = getattr(response, "upload_completion", response)
+            self.last_save = {"step": step, "async": True, "blocked_s": time.perf_counter() - started}
+            self._pending = _PendingSave(self, step, path, future, started)
+        else:
+            dcp.save(state, checkpoint_id=str(path), process_group=self._pg)
+            self._finish(step, path, started, is_async=False)
+        return path
+
+    def _save_deepspeed(self, step: int, path: Path) -> None:
+        client_state: dict[str, Any] = {"gpufleet_step": step}
+        if self.scheduler is not None:
+            client_state["gpufleet_scheduler"] = self.scheduler.state_dict()
+        for name, obj in self.stateful.items():
+            client_state[f"gpufleet_stateful.{name}"] = obj.state_dict()
+        self.model.save_checkpoint(str(self.root), tag=path.name, client_state=client_state, save_latest=False)
+
+    def _finish(self, step: int, path: Path, started: float, *, is_async: bool) -> None:
+        """Mark the checkpoint complete (rank 0) and prune old ones; every rank's data is written."""
+        elapsed = time.perf_counter() - started
+        if not is_async:
+            self.last_save = {"step": step, "async": False, "blocked_s": elapsed}
+        self.last_save["total_s"] = elapsed
+        if self.rank != 0:
+            return
+        layout.write_marker(
+            path,
+            {
+                "step": step,
+                "format": "deepspeed" if self.deepspeed else "dcp",
+                "world_size": self.world_size,
+                "async": is_async,
+            },
+        )
+        logger.info("checkpoint of step %d complete in %s (%.2f s)", step, path, elapsed)
+        if self.keep_last is not None:
+            layout.prune(self.root, self.keep_last)
+
+    def wait(self) -> None:
+        """Wait for an asynchronous save in flight (no-op when none).
+
+        Raises:
+            CheckpointError: that save failed.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.join()
+
+    def close(self) -> None:
+        """Wait for a save in flight; call before the process group is destroyed."""
+        self.wait()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- loading --------------------------------------------------------------------------
+    def resume(self) -> int | None:
+        """Load the newest complete checkpoint, skipping torn ones (call on every rank).
+
+        Returns:
+            Its step, or None when there is no complete checkpoint (a fresh start).
+        """
+        self.wait()
+        latest = self.latest() if self.rank == 0 else None
+        if self.rank == 0:
+            torn = [c.path.name for c in self.checkpoints() if not c.complete and (latest is None or c.step > latest.step)]
+            if torn:
+                logger.warning("skipping torn (incomplete) checkpoint(s) %s in %s", ", ".join(torn), self.root)
+        step = self._broadcast(latest.step if latest is not None else None)
+        if step is None:
+            logger.info("no complete checkpoint in %s: starting fresh", self.root)
+            return None
+        return self.load(step)
+
+    def load(self, step: int) -> int:
+        """Load checkpoint ``step`` (call on every rank).
+
+        Returns:
+            ``step``.
+
+        Raises:
+            CheckpointError: that checkpoint does not exist or is torn.
+        """
+        path = layout.step_dir(self.root, step)
+        info = next((c for c in self.checkpoints() if c.step == step), None)
+        if info is None or not info.complete:
+            state = "is torn (its save never finished)" if info is not None else "does not exist"
+            have = [c.step for c in self.checkpoints() if c.complete]
+            raise CheckpointError(f"checkpoint {path} {state}; complete checkpoints: {have or 'none'}")
+        marker = info.marker
+        fmt = marker.get("format", "dcp")
+        if fmt == "deepspeed":
+            if not self.deepspeed:
+                raise CheckpointError(f"{path} was saved by a DeepSpeed engine: pass the engine as model=")
+            self._load_deepspeed(path)
+        else:
+            if self.deepspeed:
+                raise CheckpointError(f"{path} is a DCP checkpoint and cannot be loaded into a DeepSpeed engine")
+            self._load_dcp(path)
+        self._load_rank_state(path, int(marker.get("world_size", 0)))
+        logger.info("resumed from %s", path)
+        return step
+
+    def _load_dcp(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        state = self._dcp_state()
+        dcp.load(state, checkpoint_id=str(path), process_group=self._pg)
+        if self.model is not None:
+            if self.optimizers:
+                set_state_dict(
+                    self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+                )
+            else:
+                set_model_state_dict(self.model, state["model"])
+
+    def _load_deepspeed(self, path: Path) -> None:
+        load_path, client_state = self.model.load_checkpoint(str(self.root), tag=path.name)
+        if load_path is None:
+            raise CheckpointError(f"DeepSpeed could not load the checkpoint in {path}")
+        client_state = client_state or {}
+        if self.scheduler is not None and "gpufleet_scheduler" in client_state:
+            self.scheduler.load_state_dict(client_state["gpufleet_scheduler"])
+        for name, obj in self.stateful.items():
+            key = f"gpufleet_stateful.{name}"
+            if key in client_state:
+                obj.load_state_dict(client_state[key])
+
+    def _load_rank_state(self, path: Path, saved_world_size: int) -> None:
+        if saved_world_size != self.world_size:
+            logger.warning(
+                "%s was saved by %d ranks and is loaded by %d: model, optimizer and scheduler are "
+                "restored, but the per-rank RNG states and data-loader positions are not",
+                path, saved_world_size, self.world_size,
+            )
+            return
+        import torch
+
+        file = path / RANK_STATE_NAME.format(rank=self.rank)
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing: the checkpoint {path} is incomplete")
+        # Our own file: RNG states and loader positions are Python objects, not only tensors.
+        state = torch.load(file, map_location="cpu", weights_only=False)
+        if self.dataloader is not None:
+            if "dataloader" in state:
+                self.dataloader.load_state_dict(state["dataloader"])
+            else:
+                logger.warning("%s holds no data-loader position; the loader starts from its beginning", path)
+        if self.save_rng and "rng" in state:
+            restore_rng_state(state["rng"])  # last: loading above must not move the generators
+
+    # -- export ---------------------------------------------------------------------------
+    def export(
+        self,
+        out_dir: str | os.PathLike[str],
+        *,
+        step: int | None = None,
+        model: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> Path:
+        """Write a checkpoint's model weights to one folder for inference (rank 0 writes).
+
+        Call on every rank of a run (the others wait) or in a plain process. See
+        :func:`gpufleet.checkpoint.export_checkpoint` for the formats.
+
+        Args:
+            out_dir: the folder to write.
+            step: which checkpoint; the newest complete one by default.
+            model: an unwrapped model to load the weights into first; a Hugging Face
+                ``PreTrainedModel`` is then written with ``save_pretrained``.
+            dtype: cast floating-point weights to this dtype (e.g. ``torch.bfloat16``).
+
+        Returns:
+            ``out_dir``.
+        """
+        from .export import export_checkpoint
+
+        self.wait()
+        if step is None:
+            latest = self.latest()
+            if latest is None:
+                raise CheckpointError(f"no complete checkpoint in {self.root} to export")
+            step = latest.step
+        out = Path(out_dir)
+        if self.rank == 0:
+            export_checkpoint(layout.step_dir(self.root, step), out, model=model, dtype=dtype)
+        self._barrier()
+        return out

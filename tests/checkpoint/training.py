@@ -1,0 +1,171 @@
+"""A small, fully seeded training job run on every rank by the checkpoint tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+NUM_FEATURES = 4
+
+
+def make_data(directory: Path, num_files: int = 6, per_file: int = 5) -> int:
+    """Write ``num_files`` .pt files of rows ``[sample_id, x..., y]``; returns the sample count."""
+    import torch
+
+    directory.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(1234)
+    sample_id = 0
+    for f in range(num_files):
+        n = per_file + f % 2  # files of different sizes
+        ids = torch.arange(sample_id, sample_id + n, dtype=torch.float32).unsqueeze(1)
+        x = torch.randn(n, NUM_FEATURES, generator=gen)
+        y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=gen)
+        torch.save(torch.cat([ids, x, y], dim=1), directory / f"part-{f:03d}.pt")
+        sample_id += n
+    return sample_id
+
+
+def build_model(seed: int = 0) -> Any:
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(NUM_FEATURES, 16),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.2),  # uses torch's RNG: resume must restore it
+        torch.nn.Linear(16, 1),
+    )
+
+
+def wrap(model: Any, strategy: str) -> Any:
+    """Wrap the model for ``strategy``: "ddp", "fsdp2" or "none"."""
+    import torch.distributed as dist
+
+    if strategy == "ddp" and dist.get_world_size() > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    if strategy == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer)
+        return fully_shard(model)
+    return model
+
+
+def full_params(model: Any) -> dict[str, Any]:
+    """Full (unsharded) CPU copies of the parameters, keyed by unwrapped names."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().clone().cpu() for k, v in sd.items()}
+
+
+def full_optim_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """The optimizer's full state (exp_avg etc. per parameter name)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    return {
+        name: {k: v.clone().cpu() for k, v in st.items() if hasattr(v, "clone")}
+        for name, st in osd["state"].items()
+    }
+
+
+def train(
+    ckpt_dir: str,
+    data_dir: str,
+    total_steps: int,
+    *,
+    save_every: int = 0,
+    stop_after: int | None = None,
+    kill_after_stop: bool = False,
+    kill_only_on_attempt: str | None = None,
+    async_save: bool = False,
+    strategy: str = "ddp",
+    num_workers: int = 1,
+    keep_last: int | None = 3,
+    record_dir: str | None = None,
+    tag: str = "run",
+) -> dict[str, Any]:
+    """Train from the newest checkpoint (if any) up to ``total_steps``.
+
+    Returns (per rank) the steps run with their loss and sample ids, the step resumed
+    from, and the final full parameters. With ``stop_after`` it stops after saving that
+    step; ``kill_after_stop`` then SIGKILLs this rank (records are written to
+    ``record_dir`` first).
+    """
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from gpufleet import runtime
+    from gpufleet.checkpoint import CheckpointManager
+    from gpufleet.data import FileDataset, TimedDataLoader
+
+    runtime.setup()
+    rank = dist.get_rank()
+    model = wrap(build_model(), strategy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
+    dataset = FileDataset(data_dir, pattern="*.pt", cache_dir=Path(ckpt_dir).parent / f"cache-{tag}", seed=7)
+    loader = TimedDataLoader(dataset, batch_size=2, num_workers=num_workers)
+    manager = CheckpointManager(
+        ckpt_dir,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        dataloader=loader,
+        keep_last=keep_last,
+        async_save=async_save,
+    )
+    # Every RNG the loop uses is seeded per rank here and restored by resume().
+    torch.manual_seed(100 + rank)
+    random.seed(200 + rank)
+    np.random.seed(300 + rank)
+    resumed = manager.resume()
+    start = resumed or 0
+    records: list[dict[str, Any]] = []
+    it = iter(loader)
+    for step in range(start + 1, total_steps + 1):
+        try:
+            batch = next(it)
+        except StopIteration:  # a new epoch
+            it = iter(loader)
+            batch = next(it)
+        ids, x, y = batch[:, 0], batch[:, 1:-1], batch[:, -1:]
+        x = x + 0.01 * torch.randn_like(x) + float(np.random.normal(0, 0.01)) + random.uniform(-0.01, 0.01)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        records.append({"step": step, "loss": loss.item(), "ids": ids.long().tolist()})
+        if save_every and step % save_every == 0:
+            manager.save(step)
+        if stop_after is not None and step == stop_after:
+            manager.save(step)
+            manager.wait()
+            kill = kill_after_stop and (
+                kill_only_on_attempt is None or os.environ.get("GPUFLEET_ATTEMPT") == kill_only_on_attempt
+            )
+            if kill:
+                if record_dir:
+                    Path(record_dir, f"{tag}-rank{rank}.json").write_text(json.dumps(records))
+                os.kill(os.getpid(), signal.SIGKILL)
+            break
+    manager.close()
+    return {
+        "rank": rank,
+        "resumed": resumed,
+        "records": records,
+        "params": full_params(model),
+        "attempt": os.environ.get("GPUFLEET_ATTEMPT"),
+        "wait_stats": loader.wait_stats(),
+    }
