@@ -8,6 +8,7 @@ attempt ends, the per-rank logs are uploaded and the final status is set.
 from __future__ import annotations
 
 import threading
+import traceback
 from typing import Any
 
 from .runs import TrackedRun, start_tracked_run
@@ -37,11 +38,14 @@ class TrackedLocalRun:
     def wait(self) -> list[Any]:
         """Wait for the ranks (as the wrapped run does), then close the MLflow run."""
         try:
-            return self._run.wait()
-        finally:
-            self._finish()
+            result = self._run.wait()
+        except BaseException as e:
+            self._finish(e)
+            raise
+        self._finish(None)
+        return result
 
-    def _finish(self) -> None:
+    def _finish(self, error: BaseException | None) -> None:
         with self._finish_lock:
             if self._finished:
                 return
@@ -49,6 +53,9 @@ class TrackedLocalRun:
         run = self._run
         status = run.status if run.status in ("SUCCESS", "FAILED", "CANCELED", "TIMEDOUT") else "FAILED"
         self.tracked.log_artifacts([run.run_dir.log(r) for r in range(run.spec.num_workers)], "logs")
+        if error is not None:  # the root cause with its remote traceback and the other ranks' fate
+            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            self.tracked.log_text(text, "error.txt")
         self.tracked.end(status)
 
 

@@ -204,6 +204,10 @@ class TrackedRun:
             else:
                 logger.debug("not logging %s: it does not exist", path)
 
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Save ``text`` as the artifact ``artifact_file``."""
+        self._safely(f"log {artifact_file}", self._client.log_text, self.run_id, text, artifact_file)
+
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         """Set tags on the run."""
         if self.run_id is None or not tags:

@@ -1,0 +1,193 @@
+"""@distributed with tracking: one MLflow run per call/attempt, filled by the ranks (2 CPU workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+
+from gpufleet import distributed
+from gpufleet.errors import DistributedTimeoutError
+from gpufleet.tracking import runs as runs_module
+
+mlflow = pytest.importorskip("mlflow")
+from mlflow import MlflowClient  # noqa: E402
+
+CPU = {"gpus": 2, "gpu_type": "cpu", "stream_logs": False}
+
+
+def _experiment() -> str:
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def client() -> MlflowClient:
+    return MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+
+
+def _runs(client: MlflowClient, experiment: str) -> list:
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None, f"no MLflow experiment {experiment!r}"
+    return client.search_runs([exp.experiment_id], order_by=["attribute.start_time ASC"])
+
+
+def train(steps: int) -> dict:
+    import os
+
+    import mlflow
+
+    env = {k: os.environ.get(k) for k in ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID")}
+    print(f"hello from rank {os.environ['RANK']}")
+    if os.environ["RANK"] == "0":
+        for step in range(steps):
+            mlflow.log_metric("loss", 1.0 / (step + 1), step=step)
+        from gpufleet.tracking import log_data_wait
+
+        log_data_wait(0.125, step=0)
+    return env
+
+
+def test_call_logs_params_rank0_metrics_system_metrics_and_logs(client: MlflowClient) -> None:
+    exp = _experiment()
+    f = distributed(train, experiment_name=exp, **CPU)
+    handle = f.submit(3)
+    envs = handle.result(timeout=120)
+    run_id = handle.mlflow_run_id
+    assert run_id and all(e["MLFLOW_RUN_ID"] == run_id for e in envs)
+    assert all(e["MLFLOW_TRACKING_URI"] == os.environ["MLFLOW_TRACKING_URI"] for e in envs)
+
+    (run,) = _runs(client, exp)
+    assert run.info.run_id == run_id and run.info.run_name == handle.run_id
+    assert run.info.status == "FINISHED"
+    assert run.info.experiment_id == envs[0]["MLFLOW_EXPERIMENT_ID"]
+    params = run.data.params
+    assert params["gpufleet.function"] == "train"
+    assert params["gpufleet.world_size"] == "2" and params["gpufleet.gpus"] == "2"
+    assert params["gpufleet.gpu_type"] == "cpu" and params["gpufleet.attempt"] == "0"
+    assert run.data.tags["gpufleet.run_id"] == handle.run_id
+    assert run.data.tags["gpufleet.status"] == "SUCCESS"
+    history = client.get_metric_history(run_id, "loss")
+    assert sorted((m.step, m.value) for m in history) == [(0, 1.0), (1, 0.5), (2, 1.0 / 3)]
+    assert client.get_metric_history(run_id, "data/wait_seconds")[0].value == 0.125
+    assert "system/cpu_utilization_percentage" in run.data.metrics
+    assert "system/system_memory_usage_megabytes" in run.data.metrics
+    logs = sorted(a.path for a in client.list_artifacts(run_id, "logs"))
+    assert logs == ["logs/rank-0.log", "logs/rank-1.log"]
+    text = mlflow.artifacts.load_text(f"{run.info.artifact_uri}/logs/rank-1.log")
+    assert "hello from rank 1" in text
+
+
+def test_failed_attempt_and_retry_each_get_a_run(client: MlflowClient) -> None:
+    def flaky() -> int:
+        import os
+
+        if os.environ["GPUFLEET_ATTEMPT"] == "0" and os.environ["RANK"] == "1":
+            raise RuntimeError("first attempt breaks on rank 1")
+        return 7
+
+    exp = _experiment()
+    f = distributed(flaky, experiment_name=exp, max_retries=1, grace_period_s=1.0, **CPU)
+    assert f.distributed() == [7, 7]
+    first, second = _runs(client, exp)
+    assert (first.info.status, first.data.tags["gpufleet.status"]) == ("FAILED", "FAILED")
+    assert first.data.params["gpufleet.attempt"] == "0" and second.data.params["gpufleet.attempt"] == "1"
+    assert second.info.status == "FINISHED"
+    error = mlflow.artifacts.load_text(f"{first.info.artifact_uri}/error.txt")
+    assert "RuntimeError: first attempt breaks on rank 1" in error and "raised on rank 1" in error
+    assert sorted(a.path for a in client.list_artifacts(first.info.run_id, "logs")) == [
+        "logs/rank-0.log",
+        "logs/rank-1.log",
+    ]
+
+
+def test_timeout_marks_the_run_timed_out(client: MlflowClient) -> None:
+    def hang() -> None:
+        import time
+
+        time.sleep(120)
+
+    exp = _experiment()
+    f = distributed(hang, experiment_name=exp, timeout=3, grace_period_s=0.5, **CPU)
+    with pytest.raises(DistributedTimeoutError):
+        f.distributed()
+    (run,) = _runs(client, exp)
+    assert run.info.status == "FAILED" and run.data.tags["gpufleet.status"] == "TIMEDOUT"
+
+
+def test_call_is_nested_under_the_callers_active_run(client: MlflowClient) -> None:
+    uri = os.environ["MLFLOW_TRACKING_URI"]
+    exp = _experiment()
+    mlflow.set_tracking_uri(uri)
+    try:
+        mlflow.set_experiment(exp)
+        with mlflow.start_run() as parent:
+            handle = distributed(train, **CPU).submit(1)
+            handle.result(timeout=120)
+    finally:
+        mlflow.set_tracking_uri(None)  # also drops $MLFLOW_TRACKING_URI: put it back
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+        mlflow.tracking.fluent._active_experiment_id = None
+    child = client.get_run(handle.mlflow_run_id)
+    assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert child.info.experiment_id == parent.info.experiment_id
+    assert "loss" in child.data.metrics and "loss" not in client.get_run(parent.info.run_id).data.metrics
+
+
+def test_missing_mlflow_warns_and_the_call_still_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # `import mlflow` raises ImportError here
+    monkeypatch.setattr(runs_module, "_warned_missing", False)
+
+    def rank_env() -> str | None:
+        import os
+
+        return os.environ.get("MLFLOW_RUN_ID")
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    with pytest.warns(RuntimeWarning, match=r"pip install 'gpufleet\[mlflow\]'"):
+        handle = distributed(rank_env, **CPU).submit()
+        assert handle.result(timeout=120) == [None, None]
+    assert handle.mlflow_run_id is None
+
+
+DISABLED_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    from gpufleet import distributed
+
+    def rank_env():
+        import os
+        return os.environ.get("MLFLOW_RUN_ID")
+
+    out = {"off": distributed(rank_env, gpus=2, gpu_type="cpu", tracking=False).distributed()}
+    os.environ["GPUFLEET_TRACKING"] = "0"
+    out["env_off"] = distributed(rank_env, gpus=2, gpu_type="cpu").distributed()
+    out["mlflow_imported"] = "mlflow" in sys.modules
+    print(json.dumps(out))
+    """
+)
+
+
+def test_tracking_off_creates_nothing_and_never_imports_mlflow(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env["GPUFLEET_HOME"] = str(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", DISABLED_SCRIPT], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"off": [None, None], "env_off": [None, None], "mlflow_imported": False}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # no mlflow.db, no mlartifacts
+
+
+def test_bad_tracking_options_are_refused() -> None:
+    from gpufleet.errors import LaunchConfigError
+
+    with pytest.raises(LaunchConfigError, match="tracking must be True or False"):
+        distributed(train, tracking="yes")
+    with pytest.raises(LaunchConfigError, match="experiment_name must be a non-empty string"):
+        distributed(train, experiment_name="  ")

@@ -1,0 +1,200 @@
+"""start_tracked_run in this process: store, experiment, params, config, status, nesting, fallbacks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+import warnings
+
+import pytest
+
+from gpufleet.tracking import (
+    DATA_WAIT_METRIC,
+    default_tracking_uri,
+    flatten_params,
+    log_data_wait,
+    start_tracked_run,
+)
+from gpufleet.tracking import runs as runs_module
+
+mlflow = pytest.importorskip("mlflow")
+from mlflow import MlflowClient  # noqa: E402
+
+
+def _experiment() -> str:
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def client() -> MlflowClient:
+    return MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+
+
+def test_flatten_params_nests_stringifies_and_truncates() -> None:
+    flat = flatten_params(
+        {"optim": {"lr": 0.001, "betas": [0.9, 0.95]}, "name": "x" * 7000, "bad key!": None, "empty": {}}
+    )
+    assert flat["optim.lr"] == "0.001"
+    assert flat["optim.betas"] == "[0.9, 0.95]"
+    assert len(flat["name"]) == 6000
+    assert flat["bad key_"] == "None"
+    assert flat["empty"] == "{}"
+
+
+def test_run_has_params_config_tags_and_env(client: MlflowClient) -> None:
+    exp = _experiment()
+    config = {"compute": {"num_accelerators": 2}, "parameters": {"lr": 2e-5, "steps": [1, 2]}}
+    with start_tracked_run(exp, "attempt-0", {"gpus": 2}, tags={"gpufleet.run_id": "r1"}) as run:
+        run.log_config(config)
+        env = run.env()
+    assert env["MLFLOW_RUN_ID"] == run.run_id
+    assert env["MLFLOW_TRACKING_URI"] == os.environ["MLFLOW_TRACKING_URI"]
+    assert env["MLFLOW_EXPERIMENT_ID"] == client.get_experiment_by_name(exp).experiment_id
+    got = client.get_run(run.run_id)
+    assert got.info.run_name == "attempt-0"
+    assert got.info.status == "FINISHED"
+    assert got.data.params == {
+        "gpus": "2",
+        "compute.num_accelerators": "2",
+        "parameters.lr": "2e-05",
+        "parameters.steps": "[1, 2]",
+    }
+    assert got.data.tags["gpufleet.run_id"] == "r1"
+    assert got.data.tags["gpufleet.status"] == "SUCCESS"
+    assert "mlflow.parentRunId" not in got.data.tags
+    text = mlflow.artifacts.load_text(f"{got.info.artifact_uri}/config.yaml")
+    assert "num_accelerators: 2" in text and "lr: 2.0e-05" in text
+
+
+@pytest.mark.parametrize(
+    ("status", "mlflow_status"),
+    [("FAILED", "FAILED"), ("CANCELED", "KILLED"), ("TIMEDOUT", "FAILED")],
+)
+def test_final_status_is_mapped(client: MlflowClient, status: str, mlflow_status: str) -> None:
+    with start_tracked_run(_experiment(), "r", {}, system_metrics=False) as run:
+        run.set_status(status)
+    got = client.get_run(run.run_id)
+    assert got.info.status == mlflow_status
+    assert got.data.tags["gpufleet.status"] == status
+
+
+def test_an_exception_marks_the_run_failed_and_bad_status_is_refused(client: MlflowClient) -> None:
+    with pytest.raises(ZeroDivisionError):
+        with start_tracked_run(_experiment(), "r", {}, system_metrics=False) as run:
+            with pytest.raises(ValueError, match="SUCCESS, FAILED, CANCELED, TIMEDOUT"):
+                run.set_status("DONE")
+            1 / 0  # noqa: B018
+    assert client.get_run(run.run_id).info.status == "FAILED"
+
+
+def test_nested_under_the_active_run(client: MlflowClient) -> None:
+    uri = os.environ["MLFLOW_TRACKING_URI"]
+    mlflow.set_tracking_uri(uri)
+    exp_id = client.create_experiment(_experiment())
+    try:
+        with mlflow.start_run(experiment_id=exp_id) as parent:
+            with start_tracked_run(None, "child", {}, system_metrics=False) as run:
+                pass
+            assert mlflow.active_run().info.run_id == parent.info.run_id  # caller's run untouched
+    finally:
+        mlflow.set_tracking_uri(None)  # this also drops $MLFLOW_TRACKING_URI: put it back
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+    got = client.get_run(run.run_id)
+    assert got.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert got.info.experiment_id == exp_id
+
+
+def test_system_metrics_are_logged_even_for_a_short_run(client: MlflowClient) -> None:
+    with start_tracked_run(_experiment(), "r", {}, system_metrics_interval_s=0.2) as run:
+        import time
+
+        time.sleep(0.7)
+    metrics = client.get_run(run.run_id).data.metrics
+    assert "system/cpu_utilization_percentage" in metrics
+    assert metrics["system/system_memory_usage_megabytes"] > 0
+    history = client.get_metric_history(run.run_id, "system/system_memory_usage_megabytes")
+    assert len(history) >= 2  # periodic samples plus the last one
+
+
+def test_data_wait_is_logged_on_rank_0_only(client: MlflowClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    with start_tracked_run(_experiment(), "r", {}, system_metrics=False) as run:
+        monkeypatch.setenv("MLFLOW_RUN_ID", run.run_id)
+        monkeypatch.setenv("RANK", "1")
+        log_data_wait(9.0, step=1)
+        monkeypatch.setenv("RANK", "0")
+        log_data_wait(0.25, step=1)
+        log_data_wait(0.5, step=2)
+        mlflow.flush_async_logging()
+    history = client.get_metric_history(run.run_id, DATA_WAIT_METRIC)
+    assert sorted((m.step, m.value) for m in history) == [(1, 0.25), (2, 0.5)]
+
+
+def test_data_wait_without_a_run_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    log_data_wait(1.0, step=0)  # no run, no error
+
+
+def test_disabled_runs_create_nothing(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    uri = "sqlite:///" + str(tmp_path / "never.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    off = start_tracked_run("x", "r", {"a": 1}, enabled=False)
+    monkeypatch.setenv("GPUFLEET_TRACKING", "0")
+    off_env = start_tracked_run("x", "r", {"a": 1})
+    for run in (off, off_env):
+        assert run.run_id is None and not run.enabled and run.env() == {}
+        run.log_config({"a": 1})
+        run.log_artifacts([tmp_path])
+        run.set_status("FAILED")
+        run.end()
+    assert not (tmp_path / "never.db").exists()
+
+
+def test_missing_mlflow_warns_once_and_disables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # `import mlflow` raises ImportError
+    monkeypatch.setattr(runs_module, "_warned_missing", False)
+    with pytest.warns(RuntimeWarning, match=r"pip install 'gpufleet\[mlflow\]'"):
+        run = start_tracked_run("x", "r", {"a": 1})
+    assert run.run_id is None and run.env() == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert start_tracked_run("x", "r", {}).run_id is None  # no second warning
+    monkeypatch.setenv("MLFLOW_RUN_ID", "abc")
+    log_data_wait(1.0, step=0)  # silently nothing
+
+
+def test_unreachable_store_warns_and_disables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "unknown-scheme://nowhere")
+    with pytest.warns(RuntimeWarning, match="could not open a run"):
+        run = start_tracked_run("x", "r", {})
+    assert run.run_id is None
+
+
+def test_default_store_is_sqlite_under_gpufleet_home(tmp_path) -> None:
+    """Without MLFLOW_TRACKING_URI: sqlite:///$GPUFLEET_HOME/mlflow.db, artifacts in mlartifacts."""
+    code = (
+        "from gpufleet.tracking import start_tracked_run, default_tracking_uri\n"
+        "with start_tracked_run('exp', 'r', {'a': 1}, system_metrics=False) as run:\n"
+        "    run.log_config({'a': 1})\n"
+        "print(run.tracking_uri == default_tracking_uri(), run.run_id)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env["GPUFLEET_HOME"] = str(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    same, run_id = out.stdout.split()
+    assert same == "True"
+    assert (tmp_path / "mlflow.db").exists()
+    artifacts = list((tmp_path / "mlartifacts").rglob("config.yaml"))
+    assert len(artifacts) == 1 and run_id in str(artifacts[0])
+    assert not (tmp_path / "mlruns").exists() and not (tmp_path / "mlartifacts" / "0").exists()
+    got = MlflowClient("sqlite:///" + str(tmp_path / "mlflow.db")).get_run(run_id)
+    assert got.data.params == {"a": "1"}
+
+
+def test_default_tracking_uri_follows_gpufleet_home(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUFLEET_HOME", str(tmp_path))
+    assert default_tracking_uri() == f"sqlite:///{tmp_path}/mlflow.db"
