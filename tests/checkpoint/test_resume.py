@@ -7,40 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet import distributed
 from gpufleet.checkpoint import list_checkpoints
 from gpufleet.errors import WorkerSignalError
-from tests.checkpoint.training import make_data, train
-
-N = 5  # steps before the kill; the data is 2 ranks x ~8 batches, so the run crosses an epoch
-TOTAL = 2 * N + 6
-
-train_on_2 = distributed(gpus=2, gpu_type="cpu", timeout=240)(train)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("data")
-    make_data(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> list[dict]:
-    """The reference: TOTAL steps without interruption."""
-    ckpt = tmp_path_factory.mktemp("straight") / "ckpt"
-    return train_on_2.distributed(str(ckpt), str(data_dir), TOTAL, save_every=N)
-
-
-def _assert_same_as_straight(straight: list[dict], before: list[list[dict]], after: list[dict]) -> None:
-    for rank in range(2):
-        resumed = before[rank] + after[rank]["records"]
-        assert [r["step"] for r in resumed] == list(range(1, TOTAL + 1))
-        assert [r["ids"] for r in resumed] == [r["ids"] for r in straight[rank]["records"]], "data order differs"
-        assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[rank]["records"]]
-        for name, value in straight[rank]["params"].items():
-            got = after[rank]["params"][name]
-            assert got.dtype == value.dtype and bool((got == value).all()), f"rank {rank}: {name} differs"
+from tests.checkpoint.helpers import TOTAL, N, assert_same_as_straight, train_on_2
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
@@ -61,7 +30,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(
 
     after = train_on_2.distributed(str(ckpt), str(data_dir), TOTAL, async_save=async_save, tag="second")
     assert [r["resumed"] for r in after] == [N, N]
-    _assert_same_as_straight(straight, before, after)
+    assert_same_as_straight(straight, before, after)
     # the straight run's data crossed an epoch boundary, so the loader's epoch was resumed too
     seen = [i for r in straight[0]["records"] + straight[1]["records"] for i in r["ids"]]
     assert len(seen) > len(set(seen))
@@ -80,4 +49,4 @@ def test_max_retries_relaunches_and_resumes_from_the_newest_checkpoint(
     assert [r["attempt"] for r in after] == ["1", "1"]
     assert [r["resumed"] for r in after] == [N, N]
     before = [json.loads((records / f"retry-rank{r}.json").read_text()) for r in range(2)]
-    _assert_same_as_straight(straight, before, after)
+    assert_same_as_straight(straight, before, after)

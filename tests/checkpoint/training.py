@@ -169,3 +169,22 @@ def train(
         "attempt": os.environ.get("GPUFLEET_ATTEMPT"),
         "wait_stats": loader.wait_stats(),
     }
+
+
+def train_and_die_in_save(ckpt_dir: str, data_dir: str, total_steps: int, *, die_at_step: int, dying_rank: int = 1, **kwargs: Any) -> dict[str, Any]:
+    """Like :func:`train`, but ``dying_rank`` SIGKILLs itself in the middle of saving
+    ``die_at_step``: after writing its shard, before the checkpoint's metadata exists."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint.filesystem as fs
+
+    original = fs.FileSystemWriter.write_data
+
+    def write_data(self: Any, plan: Any, planner: Any) -> Any:
+        future = original(self, plan, planner)
+        if dist.get_rank() == dying_rank and Path(str(self.path)).name == f"step-{die_at_step}":
+            future.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return future
+
+    fs.FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+    return train(ckpt_dir, data_dir, total_steps, **kwargs)

@@ -268,12 +268,14 @@ class CheckpointManager:
         self._write_rank_state(path)
         state = self._dcp_state()
         if self.async_save:
-            response = dcp.async_save(state, checkpoint_id=str(path), process_group=self._pg)
+            response = dcp.async_save(
+                state, checkpoint_id=str(path), process_group=self._pg, no_dist=not self._dist_on
+            )
             future = getattr(response, "upload_completion", response)
             self.last_save = {"step": step, "async": True, "blocked_s": time.perf_counter() - started}
             self._pending = _PendingSave(self, step, path, future, started)
         else:
-            dcp.save(state, checkpoint_id=str(path), process_group=self._pg)
+            dcp.save(state, checkpoint_id=str(path), process_group=self._pg, no_dist=not self._dist_on)
             self._finish(step, path, started, is_async=False)
         return path
 
@@ -379,7 +381,7 @@ class CheckpointManager:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         state = self._dcp_state()
-        dcp.load(state, checkpoint_id=str(path), process_group=self._pg)
+        dcp.load(state, checkpoint_id=str(path), process_group=self._pg, no_dist=not self._dist_on)
         if self.model is not None:
             if self.optimizers:
                 set_state_dict(
