@@ -1,0 +1,89 @@
+"""Helpers of the workload tests: run the CLI in-process or as a process, wait for states."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpufleet.cli import main
+from gpufleet.workload.store import TERMINAL_STATES, RunStore
+from tests.proc import run_processes
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Run ``gpufleet ARGV`` in this process; returns (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
+    """Run a command with ``-o json`` and parse what it printed."""
+    code, out, err = cli(capsys, *argv, "-o", "json")
+    assert out, f"no output (exit {code}): {err}"
+    return json.loads(out)
+
+
+def cli_process(*argv: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run ``gpufleet ARGV`` as its own process."""
+    return subprocess.run(
+        [sys.executable, "-m", "gpufleet.cli", *argv],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def wait_state(store: RunStore, run_id: str, states: tuple[str, ...] = TERMINAL_STATES, timeout: float = 60) -> Any:
+    """Poll the store until the run is in one of ``states``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        run = store.get(run_id)
+        if run.state in states:
+            return run
+        if time.monotonic() > deadline:
+            raise AssertionError(f"run {run_id} still {run.state} after {timeout} s")
+        time.sleep(0.1)
+
+
+def wait_for_text(path: Path, text: str, timeout: float = 60) -> None:
+    """Wait until a file contains ``text``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{text!r} never appeared in {path}")
+
+
+def wait_no_processes(run_id: str, timeout: float = 15) -> list[Any]:
+    """Wait until no process of the run is alive; returns what is left after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = run_processes(run_id)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def write_workload(folder: Path, name: str = "workload.yaml", **fields: Any) -> Path:
+    """Write a workload YAML (fields as given) into ``folder``."""
+    import yaml
+
+    doc = {
+        "experiment_name": "test",
+        "compute": {"accelerator_type": "CPU_1", "num_accelerators": 1},
+        "command": "true",
+        **fields,
+    }
+    path = folder / name
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
