@@ -1,0 +1,315 @@
+"""Typed options of each parallelism technique and the checks that run before any training.
+
+Everything here is plain Python (no torch, no DeepSpeed), so a configuration can be checked
+in the process that launches the run, before a single worker starts: :func:`plan` resolves
+the options for a given world size and raises :class:`StrategyConfigError` with a message that
+says what to change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from ..errors import GpufleetError
+
+__all__ = [
+    "STRATEGIES",
+    "PRECISIONS",
+    "StrategyConfigError",
+    "DDPConfig",
+    "FSDP2Config",
+    "DeepSpeedConfig",
+    "StrategyPlan",
+    "plan",
+]
+
+STRATEGIES = ("ddp", "fsdp2", "deepspeed")
+PRECISIONS = ("bf16", "fp16", "no")
+_PRECISION_ALIASES = {
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "16": "fp16",
+    "no": "no",
+    "fp32": "no",
+    "float32": "no",
+    "32": "no",
+}
+_OFFLOAD_DEVICES = ("cpu", "nvme")
+
+
+class StrategyConfigError(GpufleetError, ValueError):
+    """A parallelism option is wrong or contradicts another; raised before training starts."""
+
+
+@dataclass(frozen=True)
+class DDPConfig:
+    """Options of ``torch.nn.parallel.DistributedDataParallel``.
+
+    Attributes:
+        bucket_cap_mb: size of the gradient all-reduce buckets (MiB). ``None`` keeps torch's
+            default (25); larger buckets help big models on fast links.
+        static_graph: tell DDP the set of used parameters never changes between iterations
+            (enables its graph optimisations and works with activation checkpointing).
+        find_unused_parameters: allow parameters that get no gradient in some iterations.
+        gradient_as_bucket_view: gradients are views into the buckets (saves one copy of the
+            gradients' memory).
+        broadcast_buffers: broadcast module buffers (e.g. BatchNorm statistics) from rank 0 at
+            every forward.
+    """
+
+    bucket_cap_mb: float | None = None
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = True
+    broadcast_buffers: bool = True
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb is not None and not (
+            isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0
+        ):
+            raise StrategyConfigError(f"DDPConfig.bucket_cap_mb must be a positive number of MiB or None, got {self.bucket_cap_mb!r}")
+        if self.static_graph and self.find_unused_parameters:
+            raise StrategyConfigError(
+                "DDPConfig: static_graph=True and find_unused_parameters=True are redundant and "
+                "slow; a static graph already knows the unused parameters. Set only static_graph=True."
+            )
+
+
+@dataclass(frozen=True)
+class FSDP2Config:
+    """Options of FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+    Attributes:
+        block_classes: names (or classes) of the modules to shard one by one, usually the
+            transformer blocks. ``None`` finds them: a Hugging Face model's
+            ``_no_split_modules``, else the class of the blocks in the largest
+            ``nn.ModuleList``.
+        reshard_after_forward: free the gathered parameters after each block's forward
+            (``True``, least memory), keep them until backward (``False``, fewer all-gathers),
+            or reshard to a smaller group of this many ranks (an ``int``).
+        activation_checkpointing: recompute each block's activations in backward instead of
+            keeping them (less memory, about a third more compute).
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory
+            (``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
+        reduce_dtype: dtype of the gradient reduce-scatter: ``"fp32"`` (default, exact
+            averaging) or ``"bf16"`` (half the traffic).
+    """
+
+    block_classes: tuple[Any, ...] | None = None
+    reshard_after_forward: bool | int = True
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    reduce_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.block_classes is not None:
+            value = self.block_classes
+            if isinstance(value, (str, type)):
+                value = (value,)
+            object.__setattr__(self, "block_classes", tuple(value))
+            if not self.block_classes:
+                raise StrategyConfigError("FSDP2Config.block_classes is empty; name at least one module class, or pass None to find the blocks automatically")
+        r = self.reshard_after_forward
+        if not isinstance(r, bool) and not (isinstance(r, int) and r > 1):
+            raise StrategyConfigError(f"FSDP2Config.reshard_after_forward must be True, False or an int > 1 (ranks to reshard to), got {r!r}")
+        if self.reduce_dtype not in ("fp32", "bf16"):
+            raise StrategyConfigError(f"FSDP2Config.reduce_dtype must be 'fp32' or 'bf16', got {self.reduce_dtype!r}")
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    """Options of DeepSpeed ZeRO; they generate the DeepSpeed config (or check a given one).
+
+    Typed fields left at ``None`` take the value of ``config`` (a user dict or JSON file passed
+    through) when one is given, else a default. A typed field that contradicts ``config`` is an
+    error: say it once.
+
+    Attributes:
+        zero_stage: ZeRO stage 0 (plain data parallel), 1 (optimizer state sharded),
+            2 (+ gradients) or 3 (+ parameters). Default 2.
+        offload_optimizer: ``"cpu"`` or ``"nvme"`` to keep optimizer state off the GPU.
+        offload_param: ``"cpu"`` or ``"nvme"`` to keep parameters off the GPU (ZeRO-3 only).
+        nvme_path: folder for NVMe offload.
+        micro_batch_size: samples per GPU per forward (``train_micro_batch_size_per_gpu``).
+            Default 1; it only sizes DeepSpeed's own data loader and throughput logs, since your
+            loop feeds the batches.
+        train_batch_size: global batch; must equal micro batch x accumulation x world size.
+        gradient_clipping: clip the global gradient norm to this value inside ``step()``.
+        optimizer: DeepSpeed ``optimizer`` section (``{"type": "AdamW", "params": {...}}``),
+            used when ``prepare`` gets no torch optimizer.
+        scheduler: DeepSpeed ``scheduler`` section.
+        overlap_comm: overlap gradient reduction with backward.
+        reduce_bucket_size: elements per gradient reduce bucket.
+        gather_16bit_weights_on_model_save: under ZeRO-3, gather the full weights when a
+            full state dict is asked for.
+        config: a DeepSpeed config dict, or the path of a JSON file, passed through.
+        extra: more top-level keys merged into the generated config.
+    """
+
+    zero_stage: int | None = None
+    offload_optimizer: str | None = None
+    offload_param: str | None = None
+    nvme_path: str | None = None
+    micro_batch_size: int | None = None
+    train_batch_size: int | None = None
+    gradient_clipping: float | None = None
+    optimizer: dict[str, Any] | None = None
+    scheduler: dict[str, Any] | None = None
+    overlap_comm: bool | None = None
+    reduce_bucket_size: int | None = None
+    gather_16bit_weights_on_model_save: bool | None = None
+    config: dict[str, Any] | str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            raise StrategyConfigError(f"DeepSpeedConfig.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        for name in ("offload_optimizer", "offload_param"):
+            value = getattr(self, name)
+            if value is not None and value not in _OFFLOAD_DEVICES:
+                raise StrategyConfigError(f"DeepSpeedConfig.{name} must be 'cpu', 'nvme' or None, got {value!r}")
+        for name in ("micro_batch_size", "train_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise StrategyConfigError(f"DeepSpeedConfig.{name} must be a positive integer, got {value!r}")
+        if self.gradient_clipping is not None and not (
+            isinstance(self.gradient_clipping, (int, float)) and self.gradient_clipping >= 0
+        ):
+            raise StrategyConfigError(f"DeepSpeedConfig.gradient_clipping must be a number >= 0, got {self.gradient_clipping!r}")
+        if self.config is not None and not isinstance(self.config, (dict, str, os.PathLike)):
+            raise StrategyConfigError("DeepSpeedConfig.config must be a dict or the path of a DeepSpeed JSON file")
+
+    def user_config(self) -> dict[str, Any]:
+        """The user's DeepSpeed config (a copy), read from the JSON file when a path was given."""
+        if self.config is None:
+            return {}
+        if isinstance(self.config, dict):
+            return json.loads(json.dumps(self.config))
+        path = os.fspath(self.config)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError as e:
+            raise StrategyConfigError(f"DeepSpeed config file {path!r} does not exist") from e
+        except json.JSONDecodeError as e:
+            raise StrategyConfigError(f"DeepSpeed config file {path!r} is not valid JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise StrategyConfigError(f"DeepSpeed config file {path!r} must hold a JSON object")
+        return data
+
+
+_CONFIG_TYPES: dict[str, type] = {"ddp": DDPConfig, "fsdp2": FSDP2Config, "deepspeed": DeepSpeedConfig}
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    """A checked, resolved choice of technique: what :func:`prepare` will do.
+
+    Attributes:
+        strategy: ``"ddp"``, ``"fsdp2"`` or ``"deepspeed"``.
+        mixed_precision: ``"bf16"``, ``"fp16"`` or ``"no"``.
+        gradient_accumulation_steps: micro-steps per optimizer step.
+        world_size: number of ranks the plan was checked for.
+        config: the typed options of the technique.
+        deepspeed_config: the full DeepSpeed config dict (DeepSpeed only).
+    """
+
+    strategy: str
+    mixed_precision: str
+    gradient_accumulation_steps: int
+    world_size: int
+    config: Any
+    deepspeed_config: dict[str, Any] | None = None
+
+
+def normalize_precision(value: str | None) -> str | None:
+    """Map ``bf16``/``bfloat16``/``fp16``/``float16``/``no``/``fp32`` to bf16, fp16 or no."""
+    if value is None:
+        return None
+    key = str(value).strip().lower()
+    if key not in _PRECISION_ALIASES:
+        raise StrategyConfigError(f"mixed_precision must be one of {', '.join(PRECISIONS)}, got {value!r}")
+    return _PRECISION_ALIASES[key]
+
+
+def make_config(strategy: str, config: Any = None, **options: Any) -> Any:
+    """The typed config of ``strategy``: ``config`` updated with ``options`` (field names)."""
+    cls = _CONFIG_TYPES[strategy]
+    if config is None:
+        config = cls()
+    elif not isinstance(config, cls):
+        raise StrategyConfigError(
+            f"strategy={strategy!r} takes a {cls.__name__}, got a {type(config).__name__}; "
+            f"pass the config of the strategy you chose"
+        )
+    if options:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise StrategyConfigError(
+                f"unknown {strategy} option(s) {', '.join(unknown)}; {cls.__name__} has: {', '.join(sorted(known))}"
+            )
+        config = replace(config, **options)
+    return config
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise StrategyConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def plan(
+    strategy: str | None = None,
+    mixed_precision: str | None = None,
+    gradient_accumulation_steps: int | None = None,
+    world_size: int = 1,
+    config: Any = None,
+    has_optimizer: bool = True,
+    **options: Any,
+) -> StrategyPlan:
+    """Check and resolve a choice of technique for ``world_size`` ranks, without torch.
+
+    Call it in the launching process to catch a wrong configuration before any worker starts;
+    :func:`gpufleet.strategies.prepare` runs the same checks inside the workers.
+
+    Args:
+        strategy: ``"ddp"``, ``"fsdp2"`` or ``"deepspeed"``; ``None`` takes it from the type of
+            ``config``, else ``"ddp"``.
+        mixed_precision: ``"bf16"``, ``"fp16"`` or ``"no"``; ``None`` means the DeepSpeed
+            config's setting when one is passed through, else ``"no"``.
+        gradient_accumulation_steps: micro-steps per optimizer step (``None``: from the
+            DeepSpeed config, else 1).
+        world_size: number of ranks.
+        config: a :class:`DDPConfig`, :class:`FSDP2Config` or :class:`DeepSpeedConfig`.
+        has_optimizer: whether a torch optimizer will be given to ``prepare``.
+        **options: fields of the strategy's config, as a shortcut.
+
+    Raises:
+        StrategyConfigError: a value is wrong or two settings contradict; the message says
+            what to change.
+    """
+    if strategy is None:
+        inferred = [name for name, cls in _CONFIG_TYPES.items() if isinstance(config, cls)]
+        strategy = inferred[0] if inferred else "ddp"
+    strategy = str(strategy).lower()
+    if strategy == "fsdp":
+        strategy = "fsdp2"
+    if strategy not in STRATEGIES:
+        raise StrategyConfigError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    _check_int("world_size", world_size)
+    precision = normalize_precision(mixed_precision)
+    if gradient_accumulation_steps is not None:
+        _check_int("gradient_accumulation_steps", gradient_accumulation_steps)
+    cfg = make_config(strategy, config, **options)
+    if strategy != "deepspeed":
+        return StrategyPlan(strategy, precision or "no", gradient_accumulation_steps or 1, world_size, cfg)
+    from .deepspeed_config import build_deepspeed_config
+
+    ds, precision, gas = build_deepspeed_config(cfg, precision, gradient_accumulation_steps, world_size, has_optimizer)
+    return StrategyPlan(strategy, precision, gas, world_size, cfg, ds)

@@ -1,0 +1,58 @@
+"""DDP: ``torch.nn.parallel.DistributedDataParallel`` with autocast mixed precision."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from .base import TorchPreparedModel
+from .config import DDPConfig, StrategyPlan
+from .precision import autocast_context, make_grad_scaler
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DDPPreparedModel", "prepare_ddp"]
+
+
+class DDPPreparedModel(TorchPreparedModel):
+    """A model wrapped in ``DistributedDataParallel``; forward runs under ``torch.autocast``."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        sync = contextlib.nullcontext() if self.is_accumulation_boundary else self.model.no_sync()
+        with sync, autocast_context(self.mixed_precision, self.device):
+            return self.model(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.model.no_sync():
+            yield
+
+    def unwrap(self) -> Any:
+        return self.model.module
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v.detach().cpu().clone() for k, v in self.unwrap().state_dict().items()}
+
+
+def prepare_ddp(model: Any, optimizer: Any, plan: StrategyPlan, device: Any) -> DDPPreparedModel:
+    """Move ``model`` to ``device`` and wrap it in ``DistributedDataParallel``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    cfg: DDPConfig = plan.config
+    model.to(device)
+    kwargs: dict[str, Any] = {
+        "static_graph": cfg.static_graph,
+        "find_unused_parameters": cfg.find_unused_parameters,
+        "gradient_as_bucket_view": cfg.gradient_as_bucket_view,
+    }
+    if not cfg.broadcast_buffers:  # only when asked: newer torch renames the option
+        kwargs["broadcast_buffers"] = False
+    if cfg.bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = cfg.bucket_cap_mb
+    if device.type == "cuda":
+        kwargs["device_ids"] = [device.index]
+    wrapped = DistributedDataParallel(model, **kwargs)
+    logger.info("DDP ready: %s", kwargs)
+    return DDPPreparedModel(wrapped, optimizer, plan, device, make_grad_scaler(plan.mixed_precision, device))
