@@ -188,3 +188,41 @@ def train_and_die_in_save(ckpt_dir: str, data_dir: str, total_steps: int, *, die
 
     fs.FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
     return train(ckpt_dir, data_dir, total_steps, **kwargs)
+
+
+def train_fixed_batches(ckpt_dir: str, strategy: str, train_steps: int) -> dict[str, Any]:
+    """Resume (if possible), report what was loaded, train ``train_steps`` steps on a fixed
+    batch (the same on every rank) and save; every rank returns full copies of the states."""
+    import torch
+    import torch.distributed as dist
+
+    from gpufleet import runtime
+    from gpufleet.checkpoint import CheckpointManager
+
+    runtime.setup()
+    model = wrap(build_model(), strategy)
+    model.eval()  # no dropout: the same batch gives the same update on any number of ranks
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    manager = CheckpointManager(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler)
+    resumed = manager.resume() or 0
+    loaded = {
+        "params": full_params(model),
+        "optim": full_optim_state(model, optimizer),
+        "lr": scheduler.get_last_lr(),
+    }
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(train_steps):
+        x = torch.randn(8, NUM_FEATURES, generator=gen)
+        torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    manager.save(resumed + train_steps)
+    manager.close()
+    return {
+        "world_size": dist.get_world_size(),
+        "resumed": resumed,
+        "loaded": loaded,
+        "final": {"params": full_params(model), "optim": full_optim_state(model, optimizer), "lr": scheduler.get_last_lr()},
+    }
