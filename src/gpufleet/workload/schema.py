@@ -491,6 +491,9 @@ def parse_yaml(text: str, source: str = "workload") -> Any:
         mark = e.problem_mark or e.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         what = e.problem or str(e)
+        if e.context and e.context_mark and e.context_mark is not mark:
+            cm = e.context_mark
+            what += f" ({e.context} started at line {cm.line + 1}, column {cm.column + 1})"
         raise WorkloadValidationError(
             [Problem("", f"not valid YAML: {where}{what}")], source
         ) from None
