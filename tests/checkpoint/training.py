@@ -226,3 +226,36 @@ def train_fixed_batches(ckpt_dir: str, strategy: str, train_steps: int) -> dict[
         "loaded": loaded,
         "final": {"params": full_params(model), "optim": full_optim_state(model, optimizer), "lr": scheduler.get_last_lr()},
     }
+
+
+def train_deepspeed(ckpt_dir: str, save_at: int, total_steps: int) -> dict[str, Any]:
+    """A ZeRO-2 DeepSpeed engine on CPU behind the same manager: resume, train, save at ``save_at``."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from gpufleet import runtime
+    from gpufleet.checkpoint import CheckpointManager
+
+    runtime.setup()
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)  # a torch optimizer: no op to compile
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    manager = CheckpointManager(ckpt_dir, model=engine, scheduler=scheduler)
+    torch.manual_seed(10 + dist.get_rank())
+    resumed = manager.resume() or 0
+    losses, saved_params = {}, None
+    for step in range(resumed + 1, total_steps + 1):
+        x = torch.randn(4, NUM_FEATURES)  # from the restored RNG
+        loss = torch.nn.functional.mse_loss(engine(x), x.sum(dim=1, keepdim=True))
+        engine.backward(loss)
+        engine.step()
+        scheduler.step()
+        losses[step] = loss.item()
+        if step == save_at:
+            manager.save(step)
+            saved_params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    return {"resumed": resumed, "losses": losses, "saved_params": saved_params, "lr": scheduler.get_last_lr()}
