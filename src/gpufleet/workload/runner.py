@@ -241,22 +241,16 @@ def _tracked_run(config: WorkloadConfig, run_id: str, attempt: int, enabled: boo
     if not enabled:
         return contextlib.nullcontext(None)
     try:
-        from ..tracking import start_tracked_run  # type: ignore[attr-defined]
+        from ..tracking import start_tracked_run
     except ImportError as e:
         log.write(f"gpufleet: tracking is not available ({e}); this attempt is not tracked\n")
         return contextlib.nullcontext(None)
-    params = {
-        **config.parameters,
-        "gpufleet.run_id": run_id,
-        "gpufleet.attempt": attempt,
-        "gpufleet.accelerator_type": config.compute.accelerator_type,
-        "gpufleet.num_accelerators": config.compute.num_accelerators,
-    }
     return start_tracked_run(
         experiment_name=config.experiment_name,
         run_name=f"{run_id}-attempt-{attempt}",
-        params=params,
+        params=config.parameters,
         enabled=True,
+        tags={"gpufleet.run_id": run_id, "gpufleet.attempt": attempt, "gpufleet.source": "workload"},
     )
 
 
@@ -345,9 +339,9 @@ class Supervisor:
         return outcome.state, outcome.exit_code, outcome.message
 
     def node_env(
-        self, node_rank: int, attempt: int, master: tuple[str, int], bin_dir: str, mlflow_run_id: str | None
+        self, node_rank: int, attempt: int, master: tuple[str, int], bin_dir: str, tracking_env: dict[str, str]
     ) -> dict[str, str]:
-        """The per-node environment contract of SPEC section 5."""
+        """The per-node environment contract of SPEC section 5 (``MLFLOW_*`` from tracking)."""
         c = self.config.compute
         env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
         env.update(self.config.env_strings())
@@ -371,9 +365,7 @@ class Supervisor:
             GPUFLEET_ATTEMPT=str(attempt),
             GPUFLEET_CHECKPOINT_DIR=str(self.run_dir / "checkpoints"),
         )
-        if mlflow_run_id:
-            env["MLFLOW_RUN_ID"] = mlflow_run_id
-            env.setdefault("MLFLOW_EXPERIMENT_NAME", self.config.experiment_name)
+        env.update(tracking_env)
         return env
 
     def _run_attempt(self, executor: NodeExecutor, attempt: int, bin_dir: str) -> AttemptOutcome:
@@ -387,8 +379,14 @@ class Supervisor:
         self.store.start_attempt(record)
         with _tracked_run(self.config, self.run.id, attempt, self.run.tracking, self.log) as tracked:
             mlflow_run_id = getattr(tracked, "run_id", None)
+            tracking_env: dict[str, str] = {}
             if mlflow_run_id:
                 self.store.update_attempt(self.run.id, attempt, mlflow_run_id=mlflow_run_id)
+                tracking_env = tracked.env()
+                try:
+                    tracked.log_config(self.run.config, artifact_file="workload.yaml")
+                except Exception as e:  # tracking trouble never stops the run
+                    self.log.write(f"gpufleet: could not log the workload config to MLflow: {e}\n")
             master = executor.rendezvous(num_nodes)
             nodes: list[NodeProcess] = []
             outcome = None
@@ -397,7 +395,7 @@ class Supervisor:
                     spec = NodeSpec(
                         node_rank=rank,
                         command=self.config.command,
-                        env=self.node_env(rank, attempt, master, bin_dir, mlflow_run_id),
+                        env=self.node_env(rank, attempt, master, bin_dir, tracking_env),
                         cwd=str(self.run_dir / "code"),
                         log_path=str(log_dir / f"node-{rank}.log"),
                     )
