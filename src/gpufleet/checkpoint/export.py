@@ -33,7 +33,10 @@ def _load_dcp_model(path: Path) -> dict[str, torch.Tensor]:
             state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     if not state:
         raise layout_error(path, "holds no model weights")
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    from .manager import quiet_single_process
+
+    with quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return {k[len(_MODEL_PREFIX):]: v for k, v in state.items()}
 
 

@@ -9,11 +9,13 @@ same ``step-N`` layout.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +42,14 @@ def _import_torch_dist() -> Any:
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError("checkpoints need torch: pip install 'gpufleet[torch]'") from e
     return dist
+
+
+@contextlib.contextmanager
+def quiet_single_process() -> Iterator[None]:
+    """Silence DCP's warning that a save/load without a process group is single-process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def is_deepspeed_engine(obj: Any) -> bool:
@@ -268,14 +278,16 @@ class CheckpointManager:
         self._write_rank_state(path)
         state = self._dcp_state()
         if self.async_save:
-            response = dcp.async_save(
-                state, checkpoint_id=str(path), process_group=self._pg, no_dist=not self._dist_on
-            )
+            with quiet_single_process():
+                response = dcp.async_save(
+                    state, checkpoint_id=str(path), process_group=self._pg, no_dist=not self._dist_on
+                )
             future = getattr(response, "upload_completion", response)
             self.last_save = {"step": step, "async": True, "blocked_s": time.perf_counter() - started}
             self._pending = _PendingSave(self, step, path, future, started)
         else:
-            dcp.save(state, checkpoint_id=str(path), process_group=self._pg, no_dist=not self._dist_on)
+            with quiet_single_process():
+                dcp.save(state, checkpoint_id=str(path), process_group=self._pg, no_dist=not self._dist_on)
             self._finish(step, path, started, is_async=False)
         return path
 
@@ -381,7 +393,8 @@ class CheckpointManager:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         state = self._dcp_state()
-        dcp.load(state, checkpoint_id=str(path), process_group=self._pg, no_dist=not self._dist_on)
+        with quiet_single_process():
+            dcp.load(state, checkpoint_id=str(path), process_group=self._pg, no_dist=not self._dist_on)
         if self.model is not None:
             if self.optimizers:
                 set_state_dict(
