@@ -1,0 +1,463 @@
+"""The memory advisor: per-GPU memory of DDP, FSDP2 and ZeRO-1/2/3 (+ offload), and a choice.
+
+The formulas are documented in ``docs/strategies.md``. In short, with ``P`` parameters,
+``N`` GPUs and ``K`` bytes of optimizer state per parameter (AdamW: 8, fp32 moments):
+
+* DDP (torch autocast, fp32 weights): ``(4 + 4 + K) P`` + a 2-byte autocast copy of the weights.
+* FSDP2 (``MixedPrecisionPolicy``): ``(4 + 4 + K) P / N`` + the gathered blocks in flight.
+* ZeRO (DeepSpeed, 16-bit weights + fp32 master): stage 1 ``2P + 2P + (4 + K) P/N``,
+  stage 2 ``2P + (2 + 4 + 4 + K) P/N`` (fp32 gradient partition for the step), stage 3 all of it
+  over ``N``; with offload the sharded states live in CPU memory.
+* Activations (flash/SDPA attention): ``34 s b h`` bytes per layer in 16-bit (``66`` in fp32),
+  ``2 s b h`` per layer with activation checkpointing plus one layer's worth, and the logits
+  ``10 s b V`` (16-bit logits, their fp32 copy and its gradient).
+
+Only plain Python here, except when a model object, a Hugging Face config or a local model
+folder is given (then torch/transformers count the parameters on the meta device).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .config import StrategyConfigError, normalize_precision
+
+__all__ = [
+    "Advice",
+    "MemoryEstimate",
+    "ModelShape",
+    "advise",
+    "parse_count",
+    "parse_memory",
+    "optimizer_state_bytes",
+    "TECHNIQUES",
+]
+
+GIB = 1024**3
+TECHNIQUES = ("ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload")
+HEADROOM = 0.90  # share of GPU memory the estimate may use (CUDA context, allocator slack)
+_DS_REDUCE_BUCKET = 5e8  # DeepSpeed's default reduce_bucket_size (elements)
+_DS_PREFETCH_BUCKET = 5e7  # DeepSpeed's default stage3_prefetch_bucket_size (elements)
+_OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "lion": 4, "adam8bit": 2, "sgd-nomomentum": 0}
+# (params, layers, hidden) of the GPT-3 paper's model family: a shape for a bare parameter count
+_STANDARD_SHAPES = [
+    (125e6, 12, 768), (350e6, 24, 1024), (760e6, 24, 1536), (1.3e9, 24, 2048), (2.7e9, 32, 2560),
+    (6.7e9, 32, 4096), (13e9, 40, 5120), (30e9, 60, 6656), (70e9, 80, 8192), (175e9, 96, 12288),
+    (405e9, 126, 16384),
+]
+_DEFAULT_VOCAB = 32000
+_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_MEM_UNITS = {"": GIB, "b": 1, "kb": 1024, "kib": 1024, "mb": 1024**2, "mib": 1024**2, "gb": GIB, "gib": GIB, "tb": 1024**4, "tib": 1024**4}
+
+
+def parse_count(value: str | int | float) -> int:
+    """``"7B"``, ``"350M"``, ``"1.5b"``, ``"7e9"`` or a number -> a parameter count."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise StrategyConfigError(f"the parameter count must be positive, got {value!r}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbgt]?)\s*", str(value).lower())
+    if not m or float(m.group(1)) <= 0:
+        raise StrategyConfigError(f"cannot read a parameter count from {value!r}; write e.g. 7B, 350M or 1.5e9")
+    return int(float(m.group(1)) * _SUFFIX[m.group(2)])
+
+
+def parse_memory(value: str | int | float) -> float:
+    """``"80GB"``, ``"80GiB"``, ``"24576MB"`` or a number (GiB) -> bytes.
+
+    GPU makers' "80GB" is 80 GiB of device memory, so GB and GiB both mean 1024**3 here.
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise StrategyConfigError(f"GPU memory must be positive, got {value!r}")
+        return float(value) * GIB
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*", str(value).lower())
+    if not m or m.group(2) not in _MEM_UNITS or float(m.group(1)) <= 0:
+        raise StrategyConfigError(f"cannot read a memory size from {value!r}; write e.g. 80GB, 141GiB or 24576MB")
+    return float(m.group(1)) * _MEM_UNITS[m.group(2)]
+
+
+def optimizer_state_bytes(optimizer: str) -> int:
+    """Bytes of optimizer state per parameter (AdamW: two fp32 moments = 8)."""
+    key = optimizer.lower().replace("_", "").replace("torch.optim.", "")
+    if key not in _OPTIMIZER_BYTES:
+        raise StrategyConfigError(f"unknown optimizer {optimizer!r}; known: {', '.join(_OPTIMIZER_BYTES)}")
+    return _OPTIMIZER_BYTES[key]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs to know about the model.
+
+    Attributes:
+        num_params: all parameters (tied weights counted once).
+        num_layers: transformer blocks.
+        hidden_size: model width.
+        vocab_size: vocabulary (for the logits' memory).
+        block_params: parameters of one block (the unit FSDP2/ZeRO-3 gather).
+        source: where the numbers come from.
+        guessed: which fields were guessed from the parameter count.
+    """
+
+    num_params: int
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    block_params: int
+    source: str
+    guessed: tuple[str, ...] = ()
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside the blocks (embeddings, head, final norm)."""
+        return max(0, self.num_params - self.num_layers * self.block_params)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-GPU memory of one technique, in GiB.
+
+    Attributes:
+        technique: ddp, fsdp2, zero1, zero2, zero3 or zero3_offload.
+        params_gib: parameters kept on the GPU.
+        grads_gib: gradients.
+        optimizer_gib: optimizer state (with fp32 master weights where the technique keeps them).
+        buffers_gib: gathered blocks, communication buckets and 16-bit working copies.
+        activations_gib: activations of one micro-batch (0 without a sequence length).
+        total_gib: the sum: the estimated peak allocated memory.
+        cpu_gib: memory each rank keeps in host RAM (offload).
+        fits: whether ``total_gib`` fits in the usable GPU memory.
+    """
+
+    technique: str
+    params_gib: float
+    grads_gib: float
+    optimizer_gib: float
+    buffers_gib: float
+    activations_gib: float
+    total_gib: float
+    cpu_gib: float
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The advisor's answer: one estimate per technique and the recommended technique.
+
+    Attributes:
+        recommendation: ``ddp``, ``fsdp2``, ``zero3_offload`` or ``none`` (nothing fits).
+        reason: why, in one or two sentences, with the numbers.
+        activation_checkpointing: whether the recommendation needs activation checkpointing.
+        estimates: the per-technique estimates (with the activation checkpointing setting of
+            the recommendation).
+        model: the model shape used.
+        inputs: the other inputs (GPUs, memory, precision, optimizer, sequence, micro-batch).
+        notes: caveats (guessed shapes, activations left out).
+    """
+
+    recommendation: str
+    reason: str
+    activation_checkpointing: bool
+    estimates: dict[str, MemoryEstimate]
+    model: ModelShape
+    inputs: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (``recommendation`` first)."""
+        return {
+            "recommendation": self.recommendation,
+            "reason": self.reason,
+            "activation_checkpointing": self.activation_checkpointing,
+            "estimates": {k: asdict(v) for k, v in self.estimates.items()},
+            "model": {**asdict(self.model), "root_params": self.model.root_params},
+            "inputs": self.inputs,
+            "notes": self.notes,
+        }
+
+
+# --- model shapes
+
+
+def _standard_shape(num_params: int) -> tuple[int, int]:
+    best = min(_STANDARD_SHAPES, key=lambda s: abs(math.log(s[0]) - math.log(num_params)))
+    return best[1], best[2]
+
+
+def _shape_from_counts(
+    num_params: int,
+    num_layers: int | None,
+    hidden_size: int | None,
+    vocab_size: int | None,
+    block_params: int | None = None,
+    source: str = "parameter count",
+) -> ModelShape:
+    guessed = []
+    if num_layers is None or hidden_size is None:
+        std_layers, std_hidden = _standard_shape(num_params)
+        if num_layers is None:
+            num_layers, guessed = std_layers, [*guessed, "num_layers"]
+        if hidden_size is None:
+            hidden_size, guessed = std_hidden, [*guessed, "hidden_size"]
+    if vocab_size is None:
+        vocab_size, guessed = _DEFAULT_VOCAB, [*guessed, "vocab_size"]
+    if block_params is None:
+        embeddings = vocab_size * hidden_size
+        block_params = max(1, (num_params - embeddings) // max(1, num_layers))
+    return ModelShape(num_params, num_layers, hidden_size, vocab_size, int(block_params), source, tuple(guessed))
+
+
+def _config_value(cfg: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(cfg, name, None)
+        if value is None and hasattr(cfg, "get_text_config"):
+            value = getattr(cfg.get_text_config(), name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _shape_of_module(model: Any, source: str) -> ModelShape:
+    """Count a module's parameters (meta tensors are fine) and find its blocks."""
+    from .fsdp import find_block_classes
+
+    num_params = sum(p.numel() for p in model.parameters())
+    try:
+        classes = find_block_classes(model)
+        blocks = [m for m in model.modules() if isinstance(m, classes)]
+    except StrategyConfigError:
+        blocks = []
+    cfg = getattr(model, "config", None)
+    hidden = _config_value(cfg, "hidden_size", "n_embd", "d_model") if cfg is not None else None
+    vocab = _config_value(cfg, "vocab_size") if cfg is not None else None
+    layers = len(blocks) or (_config_value(cfg, "num_hidden_layers", "n_layer") if cfg is not None else None)
+    block_params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=None)
+    if hidden is None and blocks:
+        # the width of a block: the most common input size of its linear layers
+        widths = [getattr(m, "in_features", None) for m in blocks[0].modules()]
+        widths = [w for w in widths if w]
+        hidden = max(set(widths), key=widths.count) if widths else None
+    return _shape_from_counts(num_params, layers, hidden, vocab, block_params, source)
+
+
+def _load_hf_config(path: str) -> Any:
+    try:
+        from transformers import AutoConfig
+    except ImportError as e:
+        raise ImportError("reading a Hugging Face config needs transformers: pip install 'gpufleet[hf]'") from e
+    if os.path.isdir(path):
+        return AutoConfig.from_pretrained(path)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        model_type = data.pop("model_type", None)
+        if not model_type:
+            raise StrategyConfigError(f"{path} has no 'model_type'; give a Hugging Face config.json or its folder")
+        return AutoConfig.for_model(model_type, **data)
+    raise StrategyConfigError(f"model {path!r} is neither a folder nor a file; give a local Hugging Face model folder or config.json")
+
+
+def _shape_of_hf_config(cfg: Any, source: str) -> ModelShape:
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(cfg)
+        except ValueError:
+            model = AutoModel.from_config(cfg)
+    return _shape_of_module(model, source)
+
+
+def model_shape(model: Any = None, model_params: Any = None, **shape: Any) -> ModelShape:
+    """The :class:`ModelShape` of an ``nn.Module``, a HF config (object, folder, json) or a count."""
+    if model is not None:
+        if isinstance(model, (str, os.PathLike)):
+            return _shape_of_hf_config(_load_hf_config(os.fspath(model)), f"Hugging Face config {os.fspath(model)}")
+        if hasattr(model, "parameters") and callable(model.parameters):
+            return _shape_of_module(model, f"module {type(model).__name__}")
+        if hasattr(model, "to_dict") and hasattr(model, "model_type"):
+            return _shape_of_hf_config(model, f"Hugging Face config {type(model).__name__}")
+        raise StrategyConfigError(
+            f"model must be an nn.Module, a Hugging Face config, or the path of a model folder / config.json; got {type(model).__name__}"
+        )
+    if model_params is None:
+        raise StrategyConfigError("say which model: give model_params (e.g. '7B') or a model (module, HF config or path)")
+    return _shape_from_counts(parse_count(model_params), shape.get("num_layers"), shape.get("hidden_size"), shape.get("vocab_size"))
+
+
+# --- the estimate
+
+
+def _activation_bytes(shape: ModelShape, precision: str, seq_len: int | None, micro_batch: int, checkpointing: bool) -> float:
+    if not seq_len:
+        return 0.0
+    sbh = seq_len * micro_batch * shape.hidden_size
+    per_layer = 34 * sbh if precision != "no" else 66 * sbh
+    if checkpointing:
+        layers = shape.num_layers * 2 * sbh + per_layer  # block inputs + one block recomputed
+    else:
+        layers = shape.num_layers * per_layer
+    logits = seq_len * micro_batch * shape.vocab_size * (10 if precision != "no" else 8)
+    return float(layers + logits)
+
+
+def _estimates(
+    shape: ModelShape, gpus: int, precision: str, opt_bytes: int, act: float, usable: float
+) -> dict[str, MemoryEstimate]:
+    p, n, half = shape.num_params, gpus, precision != "no"
+    block, root = shape.block_params, shape.root_params
+    w = 2 if half else 4  # bytes of a working (compute-dtype) weight or gradient
+    bucket = min(_DS_REDUCE_BUCKET, p) * w
+    gathered = 2 * max(block, root) * w  # the largest unit gathered, and the next one prefetched
+    rows: dict[str, tuple[float, float, float, float, float]] = {}
+    # torch-native: fp32 weights; autocast keeps a 16-bit copy of the weights during forward
+    rows["ddp"] = (4 * p, 4 * p, opt_bytes * p, (2 * p if half else 0), 0)
+    # FSDP2: fp32 shards; gathered 16-bit blocks (2 in flight) + their unsharded grads (16-bit + fp32 for the reduce);
+    # the root (embeddings, head) stays gathered from forward to backward
+    fsdp_buffers = 2 * block * w + block * (w + 4) + root * (w + w + 4) if n > 1 else (2 * p if half else 0)
+    rows["fsdp2"] = (4 * p / n, 4 * p / n, opt_bytes * p / n, fsdp_buffers, 0)
+    # DeepSpeed ZeRO: 16-bit weights/grads, fp32 master + optimizer state, fp32 grad partition for the step
+    master = (4 if half else 0) + opt_bytes
+    fp32_grads = 4 * p / n if half else 0
+    rows["zero1"] = (w * p, w * p, master * p / n + fp32_grads, bucket, 0)
+    rows["zero2"] = (w * p, w * p / n, master * p / n + fp32_grads, bucket, 0)
+    rows["zero3"] = (w * p / n, w * p / n, master * p / n + fp32_grads, bucket + gathered + _DS_PREFETCH_BUCKET * w, 0)
+    cpu = (w * p + w * p + master * p) / n + fp32_grads
+    rows["zero3_offload"] = (0, 0, 0, bucket + gathered + _DS_PREFETCH_BUCKET * w, cpu)
+    out = {}
+    for name in TECHNIQUES:
+        params, grads, optim, buffers, cpu_bytes = rows[name]
+        total = params + grads + optim + buffers + act
+        out[name] = MemoryEstimate(
+            technique=name,
+            params_gib=round(params / GIB, 3),
+            grads_gib=round(grads / GIB, 3),
+            optimizer_gib=round(optim / GIB, 3),
+            buffers_gib=round(buffers / GIB, 3),
+            activations_gib=round(act / GIB, 3),
+            total_gib=round(total / GIB, 3),
+            cpu_gib=round(cpu_bytes / GIB, 3),
+            fits=total <= usable,
+        )
+    return out
+
+
+def advise(
+    model: Any = None,
+    *,
+    model_params: str | int | None = None,
+    gpus: int = 1,
+    gpu_memory: str | float = "80GB",
+    optimizer: str = "adamw",
+    precision: str = "bf16",
+    seq_len: int | None = None,
+    micro_batch: int = 1,
+    activation_checkpointing: bool | None = None,
+    num_layers: int | None = None,
+    hidden_size: int | None = None,
+    vocab_size: int | None = None,
+) -> Advice:
+    """Estimate per-GPU memory of each technique and recommend one.
+
+    Args:
+        model: an ``nn.Module``, a Hugging Face config, or the path of a local model folder /
+            ``config.json`` (parameters are counted on the meta device: nothing is downloaded).
+        model_params: instead of ``model``, a parameter count such as ``"7B"``.
+        gpus: number of GPUs (ranks) in the run.
+        gpu_memory: memory of one GPU (``"80GB"``; a number means GiB).
+        optimizer: adamw, adam, sgd, lion, adam8bit or sgd-nomomentum.
+        precision: bf16, fp16 or no.
+        seq_len: sequence length; without it activations are left out.
+        micro_batch: sequences per GPU per forward.
+        activation_checkpointing: ``None`` tries without, then with; ``True``/``False`` fixes it.
+        num_layers, hidden_size, vocab_size: the shape, when only a count is given (else the
+            GPT-3 family's shape of that size is assumed).
+
+    Returns:
+        An :class:`Advice`; ``recommendation`` is ddp, fsdp2, zero3_offload or none.
+    """
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise StrategyConfigError(f"gpus must be a positive integer, got {gpus!r}")
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
+        raise StrategyConfigError(f"micro_batch must be a positive integer, got {micro_batch!r}")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+        raise StrategyConfigError(f"seq_len must be a positive integer, got {seq_len!r}")
+    prec = normalize_precision(precision) or "bf16"
+    opt_bytes = optimizer_state_bytes(optimizer)
+    memory = parse_memory(gpu_memory)
+    usable = HEADROOM * memory
+    shape = model_shape(model, model_params, num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size)
+    inputs = {
+        "gpus": gpus,
+        "gpu_memory_gib": round(memory / GIB, 2),
+        "usable_gib": round(usable / GIB, 2),
+        "optimizer": optimizer,
+        "optimizer_state_bytes_per_param": opt_bytes,
+        "precision": prec,
+        "seq_len": seq_len,
+        "micro_batch": micro_batch,
+    }
+    notes = []
+    if shape.guessed:
+        notes.append(f"guessed from the parameter count: {', '.join(shape.guessed)} (give them for a closer estimate)")
+    if not seq_len:
+        notes.append("activations are not included: give seq_len (and micro_batch) to include them")
+
+    def run(checkpointing: bool) -> dict[str, MemoryEstimate]:
+        act = _activation_bytes(shape, prec, seq_len, micro_batch, checkpointing)
+        return _estimates(shape, gpus, prec, opt_bytes, act, usable)
+
+    tries = [activation_checkpointing] if activation_checkpointing is not None else [False, True]
+    if not seq_len:
+        tries = tries[:1]
+    # cheapest first: sharding costs less than recomputation, which costs less than offload
+    order: list[tuple[str, bool | None]] = []
+    for technique_group in (("ddp", "fsdp2"), ("zero3_offload",)):
+        for ac in tries:
+            order += [(t, ac) for t in technique_group]
+    computed = {ac: run(bool(ac)) for ac in tries}
+    chosen = None
+    for name, ac in order:
+        if name == "fsdp2" and gpus == 1:
+            continue  # nothing to shard over
+        if computed[ac][name].fits:
+            chosen = (name, bool(ac), computed[ac])
+            break
+    if chosen is None:
+        ac = bool(tries[-1])
+        est = run(ac)
+        best = min(est.values(), key=lambda e: e.total_gib)
+        reason = (
+            f"nothing fits: the smallest estimate is {best.technique} at {best.total_gib:.1f} GiB per GPU "
+            f"and {usable / GIB:.1f} GiB are usable. Add GPUs, lower micro_batch or seq_len"
+            + ("" if ac else ", or turn on activation checkpointing")
+        )
+        return Advice("none", reason, ac, est, shape, inputs, notes)
+    name, ac, est = chosen
+    e = est[name]
+    ac_text = " with activation checkpointing" if ac else ""
+    if name == "ddp":
+        reason = (
+            f"the whole model with its gradients and optimizer state fits on each GPU{ac_text} "
+            f"({e.total_gib:.1f} of {usable / GIB:.1f} usable GiB): DDP is the simplest and fastest"
+            + (" (one GPU: plain training)" if gpus == 1 else ", one all-reduce per step")
+        )
+    elif name == "fsdp2":
+        reason = (
+            f"DDP needs {est['ddp'].total_gib:.1f} GiB per GPU, more than the {usable / GIB:.1f} usable; "
+            f"FSDP2 shards parameters, gradients and optimizer state over {gpus} GPUs: "
+            f"{e.total_gib:.1f} GiB{ac_text}"
+        )
+    else:
+        reason = (
+            f"even fully sharded the model needs {est['zero3'].total_gib:.1f} GiB per GPU "
+            f"({est['fsdp2'].total_gib:.1f} with FSDP2); DeepSpeed ZeRO-3 with parameter and optimizer "
+            f"offload keeps {e.cpu_gib:.1f} GiB per rank in CPU memory and {e.total_gib:.1f} GiB on the GPU{ac_text}"
+        )
+    return Advice(name, reason, ac, est, shape, inputs, notes)
