@@ -72,7 +72,6 @@ def project(tmp_path: Path) -> Path:
     return code
 
 
-@pytest.mark.slow
 def test_torchrun_workload_watched_and_inspected(project: Path, home: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(capsys, "run", "-f", str(project / "workload.yaml"), "--watch", "--no-tracking")
     assert code == 0, err
@@ -105,7 +104,6 @@ def test_torchrun_workload_watched_and_inspected(project: Path, home: Path, caps
     assert rc == 0 and "rank=0 sum=3.0" in text
 
 
-@pytest.mark.slow
 def test_cancel_mid_run_stops_every_process(project: Path, store: RunStore, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = cli(capsys, "run", "-f", str(project / "workload.yaml"), "--no-tracking",
                      "--override", "parameters.sleep=120")  # fmt: skip

@@ -61,13 +61,15 @@ def _walk_files(root: Path, include_paths: list[str] | None) -> list[str]:
     specs: list[tuple[Path, pathspec.PathSpec]] = []  # (folder, its .gitignore)
 
     def ignored(path: Path, is_dir: bool) -> bool:
-        for folder, spec in specs:
+        # the deepest .gitignore with a matching pattern decides, as in git
+        for folder, spec in reversed(specs):
             try:
                 rel = path.relative_to(folder).as_posix()
             except ValueError:
                 continue
-            if spec.match_file(rel + ("/" if is_dir else "")):
-                return True
+            result = spec.check_file(rel + ("/" if is_dir else ""))
+            if result.include is not None:
+                return bool(result.include)
         return False
 
     def load_ignore(folder: Path) -> None:
@@ -90,7 +92,7 @@ def _walk_files(root: Path, include_paths: list[str] | None) -> list[str]:
     if include_paths:
         wanted = [Path(p).as_posix().rstrip("/") for p in include_paths]
         files = [f for f in files if any(f == w or f.startswith(w + "/") or w == "." for w in wanted)]
-    return files
+    return sorted(files)
 
 
 def list_files(root: Path, include_paths: list[str] | None = None) -> list[str]:

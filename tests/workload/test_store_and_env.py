@@ -1,0 +1,132 @@
+"""Run store liveness rules, code snapshots without git, and per-run dependency environments."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import subprocess
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from gpufleet.workload.snapshot import list_files
+from gpufleet.workload.store import PENDING, RUNNING, RunRecord, RunStore
+from tests.workload.helpers import cli, wait_state, write_workload
+
+
+def _record(store: RunStore, run_id: str, **fields: object) -> RunRecord:
+    rec = RunRecord(
+        id=run_id, experiment="x", state=PENDING, created_at=time.time(), config={}, run_dir="/nonexistent",
+        num_nodes=1, world_size=1, max_attempts=1,
+    )  # fmt: skip
+    for k, v in fields.items():
+        setattr(rec, k, v)
+    return store.create_run(rec)[0]
+
+
+def test_runs_whose_supervisor_is_gone_are_failed_on_read(store: RunStore) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    _record(store, "r-dead", state=RUNNING, supervisor_pid=dead.pid, supervisor_started=time.time() - 5,
+            heartbeat_at=time.time())  # fmt: skip
+    _record(store, "r-never", created_at=time.time() - 3600)
+    _record(store, "r-young")  # just submitted: its supervisor may still be starting
+    alive = subprocess.Popen(["sleep", "30"])
+    try:
+        import psutil
+
+        _record(store, "r-stale", state=RUNNING, supervisor_pid=alive.pid,
+                supervisor_started=psutil.Process(alive.pid).create_time(), heartbeat_at=time.time() - 3600)  # fmt: skip
+        assert store.get("r-dead").state == "FAILED"
+        assert "supervisor process" in store.get("r-dead").message
+        assert store.get("r-never").message.endswith("never started; nothing of it is left running")
+        assert store.get("r-young").state == PENDING
+        stale = store.get("r-stale")
+        assert stale.state == "FAILED" and "no heartbeat" in stale.message
+        assert alive.wait(timeout=10) == -9  # the hung supervisor was killed
+        assert [r.id for r in store.list()] == ["r-young"]
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_pid_reuse_is_not_mistaken_for_a_live_supervisor(store: RunStore) -> None:
+    import os
+
+    # our own pid, but "started" at another time: another process that reused the pid
+    _record(store, "r-reused", state=RUNNING, supervisor_pid=os.getpid(), supervisor_started=1.0,
+            heartbeat_at=time.time())  # fmt: skip
+    assert store.get("r-reused").state == "FAILED"
+
+
+def test_get_accepts_a_unique_prefix_and_names_missing_runs(store: RunStore, capsys: pytest.CaptureFixture[str]) -> None:
+    _record(store, "abc-1", state="SUCCESS")
+    _record(store, "abd-2", state="SUCCESS")
+    assert store.get("abc").id == "abc-1"
+    rc, out, err = cli(capsys, "get", "ab")
+    assert rc == 1 and "is ambiguous" in err
+    rc, out, err = cli(capsys, "get", "zzz")
+    assert rc == 1 and "'zzz' does not exist" in err and "gpufleet list --all-status" in err
+    rc, out, err = cli(capsys, "list", "--filter", "colour=red")
+    assert rc == 2 and "cannot filter on 'colour'" in err
+    rc, out, err = cli(capsys, "list", "--filter", "state=DONE")
+    assert rc == 2 and "unknown state(s) DONE" in err
+
+
+def test_snapshot_without_git_respects_gitignore(tmp_path: Path) -> None:
+    root = tmp_path / "code"
+    (root / "pkg" / "data").mkdir(parents=True)
+    (root / ".gitignore").write_text("*.log\n/data-root/\n")
+    (root / "pkg" / ".gitignore").write_text("data/\n!keep.log\n")
+    for rel in ["train.py", "run.log", "pkg/mod.py", "pkg/data/x.bin", "pkg/keep.log"]:
+        (root / rel).write_text(rel)
+    assert list_files(root) == [".gitignore", "pkg/.gitignore", "pkg/keep.log", "pkg/mod.py", "train.py"]
+    assert list_files(root, ["pkg"]) == ["pkg/.gitignore", "pkg/keep.log", "pkg/mod.py"]
+
+
+def _tiny_wheel(folder: Path) -> Path:
+    """A minimal pure-Python wheel ``gftiny`` built by hand (no build backend, no network)."""
+    files = {
+        "gftiny/__init__.py": b"VALUE = 'from the run environment'\n",
+        "gftiny-0.1.dist-info/METADATA": b"Metadata-Version: 2.1\nName: gftiny\nVersion: 0.1\n",
+        "gftiny-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for name, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{name},sha256={digest},{len(data)}")
+    record.append("gftiny-0.1.dist-info/RECORD,,")
+    path = folder / "gftiny-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+        z.writestr("gftiny-0.1.dist-info/RECORD", "\n".join(record) + "\n")
+    return path
+
+
+def test_dependencies_install_into_a_cached_layered_environment(
+    tmp_path: Path, home: Path, store: RunStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wheel = _tiny_wheel(tmp_path)
+    wl = write_workload(
+        tmp_path,
+        environment={"dependencies": [f"gftiny @ {wheel.as_uri()}"]},
+        # the new package and the packages of the current environment are both importable
+        command="python -c 'import gftiny, yaml, psutil; print(gftiny.VALUE)'",
+    )
+    ids = []
+    for _ in range(2):
+        rc, out, err = cli(capsys, "run", "-f", str(wl), "--watch", "--no-tracking")
+        assert rc == 0, err + out
+        assert "[node 0] from the run environment" in out
+        ids.append(out.splitlines()[0])
+    setup = [(Path(store.get(i).run_dir) / "environment.log").read_text() for i in ids]
+    assert "building environment" in setup[0] and "reusing environment" in setup[1]
+    assert len(list((home / "envs").glob("*/.gpufleet-ready"))) == 1
+    # without the dependency, the current environment does not have the package
+    plain = write_workload(tmp_path, name="plain.yaml", command="python -c 'import gftiny'")
+    rc, out, err = cli(capsys, "run", "-f", str(plain), "--watch", "--no-tracking")
+    assert rc == 1 and "ModuleNotFoundError" in out
+    wait_state(store, out.splitlines()[0])
