@@ -29,6 +29,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -352,7 +353,9 @@ class TimedDataLoader(StatefulDataLoader):
             kwargs.setdefault("prefetch_factor", 4)
         if kwargs.get("generator") is None:
             kwargs["generator"] = torch.Generator().manual_seed(seed)
-        super().__init__(dataset, batch_size=batch_size, num_workers=num_workers, **kwargs)
+        with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch.set_vital
+            warnings.filterwarnings("ignore", message=".*set_vital.*")
+            super().__init__(dataset, batch_size=batch_size, num_workers=num_workers, **kwargs)
         self.reset_wait_stats()
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
