@@ -245,8 +245,10 @@ def runs_table(runs: list[RunRecord], out: IO[str] | None = None) -> None:
         from rich.table import Table
 
         table = Table(box=None, header_style="bold")
+        id_width = max((len(r[0]) for r in rows), default=2)
         for h in headers:
-            table.add_column(h)
+            # ids are what users copy: never cut or wrapped
+            table.add_column(h, no_wrap=h in ("ID", "CREATED"), min_width=id_width if h == "ID" else None)
         for row in rows:
             table.add_row(*row[:1], f"[{_STATE_STYLE.get(row[1], '')}]{row[1]}[/]", *row[2:])
         Console(file=out).print(table)
