@@ -226,7 +226,7 @@ def follow_logs(
 def runs_table(runs: list[RunRecord], out: IO[str] | None = None) -> None:
     """Print runs as a table (rich on a terminal, tab-separated lines otherwise)."""
     out = out or sys.stdout
-    headers = ["ID", "STATE", "EXPERIMENT", "NODES", "WORLD", "ATTEMPTS", "CREATED", "DURATION"]
+    headers = ["ID", "STATE", "EXPERIMENT", "NODES", "WORLD", "TRIES", "CREATED", "TIME"]
     rows = [
         [
             r.id,
@@ -235,7 +235,7 @@ def runs_table(runs: list[RunRecord], out: IO[str] | None = None) -> None:
             str(r.num_nodes),
             str(r.world_size),
             f"{len(r.attempts)}/{r.max_attempts}",
-            fmt_time(r.created_at),
+            fmt_time(r.created_at)[5:],  # MM-dd HH:MM:SS
             fmt_duration(r.duration_s),
         ]
         for r in runs
@@ -248,7 +248,7 @@ def runs_table(runs: list[RunRecord], out: IO[str] | None = None) -> None:
         id_width = max((len(r[0]) for r in rows), default=2)
         for h in headers:
             # ids are what users copy: never cut or wrapped
-            table.add_column(h, no_wrap=h in ("ID", "CREATED"), min_width=id_width if h == "ID" else None)
+            table.add_column(h, no_wrap=h in ("ID", "STATE", "CREATED"), min_width=id_width if h == "ID" else None)
         for row in rows:
             table.add_row(*row[:1], f"[{_STATE_STYLE.get(row[1], '')}]{row[1]}[/]", *row[2:])
         Console(file=out).print(table)
