@@ -17,20 +17,30 @@ __all__ = ["DDPPreparedModel", "prepare_ddp"]
 
 
 class DDPPreparedModel(TorchPreparedModel):
-    """A model wrapped in ``DistributedDataParallel``; forward runs under ``torch.autocast``."""
+    """A model wrapped in ``DistributedDataParallel``; forward runs under ``torch.autocast``.
+
+    With a single rank there is nothing to synchronise and the model is left unwrapped.
+    """
+
+    @property
+    def _is_ddp(self) -> bool:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return isinstance(self.model, DistributedDataParallel)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        sync = contextlib.nullcontext() if self.is_accumulation_boundary else self.model.no_sync()
+        skip_sync = self._is_ddp and not self.is_accumulation_boundary
+        sync = self.model.no_sync() if skip_sync else contextlib.nullcontext()
         with sync, autocast_context(self.mixed_precision, self.device):
             return self.model(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        with self.model.no_sync():
+        with self.model.no_sync() if self._is_ddp else contextlib.nullcontext():
             yield
 
     def unwrap(self) -> Any:
-        return self.model.module
+        return self.model.module if self._is_ddp else self.model
 
     def state_dict(self) -> dict[str, Any]:
         return {k: v.detach().cpu().clone() for k, v in self.unwrap().state_dict().items()}
@@ -53,6 +63,12 @@ def prepare_ddp(model: Any, optimizer: Any, plan: StrategyPlan, device: Any) -> 
         kwargs["bucket_cap_mb"] = cfg.bucket_cap_mb
     if device.type == "cuda":
         kwargs["device_ids"] = [device.index]
-    wrapped = DistributedDataParallel(model, **kwargs)
-    logger.info("DDP ready: %s", kwargs)
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        logger.info("one rank: the model is not wrapped in DDP")
+        wrapped = model
+    else:
+        wrapped = DistributedDataParallel(model, **kwargs)
+        logger.info("DDP ready: %s", kwargs)
     return DDPPreparedModel(wrapped, optimizer, plan, device, make_grad_scaler(plan.mixed_precision, device))
