@@ -40,6 +40,10 @@ class LaunchOptions:
 
     def check(self) -> None:
         """Reject wrong settings with a message that says what is allowed."""
+        if self.gpus is not None and (isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1):
+            raise LaunchConfigError(f"gpus must be a positive integer or None (every visible GPU), got {self.gpus!r}")
+        if self.gpu_type is not None and (not isinstance(self.gpu_type, str) or not self.gpu_type.strip()):
+            raise LaunchConfigError(f"gpu_type must be a GPU model such as 'H100', or 'cpu', got {self.gpu_type!r}")
         if self.timeout is not None and (
             isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0
         ):

@@ -49,6 +49,7 @@ PENDING, RUNNING, SUCCESS, FAILED, CANCELED, TIMEDOUT = (
 TERMINAL_STATES = (SUCCESS, FAILED, CANCELED, TIMEDOUT)
 
 _POLL_S = 0.02
+_FAILURE_SETTLE_S = 1.0
 # Messages of errors that are consequences of another rank's failure, not causes.
 _SECONDARY = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|recvBytes|sendBytes|"
@@ -121,7 +122,8 @@ class _LogPump:
         prefix = f"[rank {self.rank}] "
         for line in iter(pipe.readline, b""):
             with self._lock:
-                self._file.write(line)
+                if not self._file.closed:
+                    self._file.write(line)
             if self._logs.shows(self.rank, is_stderr):
                 text = line.decode("utf-8", "replace")
                 sink = self._err if is_stderr else self._out
@@ -139,7 +141,8 @@ class _LogPump:
 
     def close(self) -> None:
         self.join(1.0)
-        self._file.close()
+        with self._lock:
+            self._file.close()
 
 
 def _signal_name(num: int) -> str:
@@ -149,35 +152,61 @@ def _signal_name(num: int) -> str:
         return f"signal {num}"
 
 
-def _kill_tree(procs: Sequence[subprocess.Popen[bytes]], grace_period_s: float) -> None:
-    """Stop each process's whole group (DataLoader workers too): TERM, grace, KILL."""
+def _run_processes(run_id: str) -> list[Any]:
+    """Live processes that carry this run's id in their environment (ranks and descendants)."""
     import psutil
 
-    alive = [p for p in procs if p.poll() is None]
-    descendants: list[psutil.Process] = []
-    for p in alive:
+    found = []
+    me = os.getpid()
+    for proc in psutil.process_iter():
+        if proc.pid == me:
+            continue
         try:
-            descendants.extend(psutil.Process(p.pid).children(recursive=True))
-        except psutil.Error:
-            pass
+            if proc.environ().get("GPUFLEET_RUN_ID") == run_id and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _kill_tree(procs: Sequence[subprocess.Popen[bytes]], grace_period_s: float, run_id: str) -> None:
+    """Stop every process of the run: TERM, grace period, KILL.
+
+    Reaches each rank's process group (DataLoader workers), descendants of ranks that have
+    already exited, and children that left the group with setsid: all of them carry the
+    run's id in their environment.
+    """
+    import psutil
+
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in alive:
+        for p in procs:
             try:
-                os.killpg(p.pid, sig)
+                os.killpg(p.pid, sig)  # the group outlives its leader while members remain
             except (ProcessLookupError, PermissionError):
                 pass
-        for d in descendants:  # children that left the process group (setsid)
+        others = _run_processes(run_id)
+        for d in others:
             try:
                 d.send_signal(sig)
             except psutil.Error:
                 pass
         deadline = time.monotonic() + (grace_period_s if sig == signal.SIGTERM else 5.0)
         while time.monotonic() < deadline:
-            if all(p.poll() is not None for p in alive) and not any(
-                d.is_running() and d.status() != psutil.STATUS_ZOMBIE for d in descendants
-            ):
-                return
+            ranks_done = all(p.poll() is not None for p in procs)
+            if ranks_done and not any(_alive(d) for d in others):
+                break
             time.sleep(_POLL_S)
+        if all(p.poll() is not None for p in procs) and not _run_processes(run_id):
+            return
+
+
+def _alive(proc: Any) -> bool:
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 class LocalRun:
@@ -262,7 +291,7 @@ class LocalRun:
                 self._procs.append(proc)
                 self._pumps.append(_LogPump(rank, proc, self.run_dir.log(rank), self.spec.logs))
         except BaseException:
-            _kill_tree(self._procs, 0.5)
+            _kill_tree(self._procs, 0.5, self.run_id)
             raise
         self._started = time.monotonic()
         self.status = RUNNING
@@ -325,9 +354,9 @@ class LocalRun:
             time.sleep(1.0)
         t_stop = time.time()
         try:
-            _kill_tree(self._procs, grace_period_s)
+            _kill_tree(self._procs, grace_period_s, self.run_id)
         except KeyboardInterrupt:  # a second Ctrl-C: no more grace
-            _kill_tree(self._procs, 0.0)
+            _kill_tree(self._procs, 0.0, self.run_id)
             raise
         finally:
             self._collect_after_stop(reason, t_stop)
@@ -392,6 +421,12 @@ class LocalRun:
                 return
             self._collect()
             if self._failures:
+                # Let the other ranks report for a moment: the same error on several ranks
+                # is then grouped, and a secondary error does not hide the root cause.
+                settle_until = time.monotonic() + _FAILURE_SETTLE_S
+                while time.monotonic() < settle_until and len(self._done) + len(self._failures) < len(self._procs):
+                    time.sleep(_POLL_S)
+                    self._collect()
                 first = min(self._failures.values(), key=lambda f: f.time)
                 self._stop(f"stopped by gpufleet after rank {first.rank} failed", spec.grace_period_s)
                 self._finalize(FAILED)
@@ -424,12 +459,10 @@ class LocalRun:
         with self._lock:
             if self._finished.is_set():
                 return
+            if status == SUCCESS and _run_processes(self.run_id):
+                _kill_tree(self._procs, self.spec.grace_period_s, self.run_id)  # strays of the function
             for pump in self._pumps:
                 pump.close()
-            for proc in self._procs:
-                for pipe in (proc.stdout, proc.stderr):
-                    if pipe:
-                        pipe.close()
             _active.discard(self)
             if status == SUCCESS:
                 try:
@@ -510,7 +543,7 @@ def _as_original_exception(group: WorkerGroupError) -> BaseException:
         exc = cloudpickle.loads(rc.exc_bytes)
     except Exception:
         return group
-    if not isinstance(exc, BaseException):
+    if not isinstance(exc, Exception):  # SystemExit/KeyboardInterrupt must not end the caller
         return group
     exc.__cause__ = RemoteTraceback(rc.traceback)
     note = f"gpufleet: raised on rank {rc.rank}\n{group.summary()}"
