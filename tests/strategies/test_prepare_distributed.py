@@ -30,9 +30,15 @@ ATOL = 1e-6
 PARITY_CASES = {
     "ddp": {"strategy": "ddp"},
     "fsdp2": {"strategy": "fsdp2"},
+    "fsdp2_checkpointing_offload": {
+        "strategy": "fsdp2", "activation_checkpointing": True, "reshard_after_forward": False, "cpu_offload": True,
+    },
     "zero1": {"strategy": "deepspeed", "zero_stage": 1, "gradient_clipping": MAX_NORM},
     "zero2": {"strategy": "deepspeed", "zero_stage": 2, "gradient_clipping": MAX_NORM},
     "zero3": {"strategy": "deepspeed", "zero_stage": 3, "gradient_clipping": MAX_NORM},
+    "zero3_offload": {
+        "strategy": "deepspeed", "zero_stage": 3, "gradient_clipping": MAX_NORM, "offload_optimizer": "cpu", "offload_param": "cpu",
+    },
 }
 
 
