@@ -9,7 +9,13 @@ CSV). Nothing is downloaded.
 
 from __future__ import annotations
 
-from .data import make_chat_jsonl, make_invoice_jsonl, make_prompt_completion_jsonl, make_ratings_csv
+from .data import (
+    make_chat_jsonl,
+    make_invoice_jsonl,
+    make_prompt_completion_jsonl,
+    make_ratings_csv,
+    make_token_file,
+)
 from .lm import ARCH_OVERRIDES, make_tiny_causal_lm, make_tokenizer
 from .vision import make_coco_folder, make_image_folder
 
@@ -22,5 +28,6 @@ __all__ = [
     "make_prompt_completion_jsonl",
     "make_ratings_csv",
     "make_tiny_causal_lm",
+    "make_token_file",
     "make_tokenizer",
 ]

@@ -86,3 +86,21 @@ def make_ratings_csv(
             rating = min(5.0, max(0.5, round(base + rng.uniform(-0.5, 0.5), 1)))
             writer.writerow([user, item, rating, 1_700_000_000 + rng.randrange(10_000_000)])
     return str(p)
+
+
+def make_token_file(path: str | Path, num_tokens: int = 20_000, vocab_size: int = 256, seed: int = 0) -> str:
+    """Write a flat ``uint16`` token file (the nanoGPT ``train.bin`` layout) of a repeating pattern.
+
+    The tokens follow a simple rule (next = current + 1 modulo a small cycle, with noise), so
+    a language model's loss visibly falls within a few steps.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    base = np.arange(num_tokens) % min(vocab_size, 64)
+    noise = rng.integers(0, vocab_size, size=num_tokens)
+    tokens = np.where(rng.random(num_tokens) < 0.1, noise, base).astype(np.uint16)
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tokens.tofile(p)
+    return str(p)
