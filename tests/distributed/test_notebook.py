@@ -1,0 +1,98 @@
+"""The decorator in a real Jupyter kernel, executed headless by nbclient."""
+
+from __future__ import annotations
+
+import os
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+CELLS = [
+    # torch (and with it the CPU runtime) is imported in the kernel before any launch
+    "import os, torch\nfrom gpufleet import distributed, runtime\nx = torch.ones(2)\nprint('KERNEL', os.getpid())",
+    # a function defined in a cell, using a class and a constant defined in the notebook
+    """
+OFFSET = 100
+
+class Scaler:
+    def __init__(self, k):
+        self.k = k
+
+@distributed(gpus=2, gpu_type="cpu", tracking=False)
+def train(n, scaler):
+    import torch, torch.distributed as dist
+    runtime.setup()
+    t = torch.tensor([float(runtime.get_global_rank() + 1)])
+    dist.all_reduce(t)
+    print("training on rank", runtime.get_global_rank())
+    return runtime.get_global_rank() * scaler.k * n + t.item() + OFFSET
+""",
+    "print('RUN1', train.distributed(2, Scaler(10)))",
+    "print('RUN2', train.distributed(3, Scaler(10)))",  # the same cell run twice
+    """
+class BadBatch(Exception):
+    pass
+
+@distributed(gpus=2, gpu_type="cpu", tracking=False)
+def broken():
+    if runtime.get_global_rank() == 1:
+        raise BadBatch("batch 3 has no labels")
+    return 0
+
+try:
+    broken.distributed()
+except BadBatch as e:
+    print('CAUGHT', type(e).__name__, e)
+""",
+    "broken.distributed()",  # uncaught: the cell output shows the exception type
+    """
+@distributed(gpus=2, gpu_type="cpu", tracking=False)
+def hang():
+    import time
+    print("hanging", flush=True)
+    time.sleep(600)
+
+hang.distributed()
+""",
+    """
+from tests.proc import processes_with_env
+print('LEFT', len(processes_with_env('GPUFLEET_PARENT_PID', str(os.getpid()))))
+""",
+]
+
+
+def _text(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
+
+
+@pytest.mark.slow
+def test_decorator_in_a_real_notebook_kernel(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in CELLS]
+    hang_index = 6
+
+    def timeout_for(cell):
+        return 12 if "def hang" in cell.source else 120
+
+    env_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    client = NotebookClient(
+        nb,
+        kernel_name="python3",
+        allow_errors=True,
+        interrupt_on_timeout=True,
+        timeout_func=timeout_for,
+        resources={"metadata": {"path": env_root}},
+    )
+    client.execute()
+    outputs = [_text(c) for c in nb.cells]
+    assert "RUN1 [103.0, 123.0]" in outputs[2]
+    assert "RUN2 [103.0, 133.0]" in outputs[3]
+    assert "[rank 0] training on rank 0" in outputs[2]  # live rank-0 logs reach the cell
+    assert "CAUGHT BadBatch batch 3 has no labels" in outputs[4]
+    errors = [o for o in nb.cells[5].outputs if o.get("output_type") == "error"]
+    assert errors and errors[0]["ename"] == "BadBatch"
+    hang_errors = [o for o in nb.cells[hang_index].outputs if o.get("output_type") == "error"]
+    assert hang_errors and hang_errors[0]["ename"] == "KeyboardInterrupt"
+    assert "LEFT 0" in outputs[7]
