@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from gpufleet import distributed
@@ -21,6 +22,7 @@ def _assert_states_equal(got: dict, expected: dict) -> None:
     assert got["lr"] == expected["lr"]
 
 
+@pytest.mark.slow
 def test_save_on_2_ranks_load_on_3_and_on_1_across_ddp_fsdp2_and_plain(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ckpt")
     run = distributed(gpu_type="cpu", timeout=240, tracking=False)(train_fixed_batches)

@@ -12,6 +12,7 @@ from gpufleet.errors import WorkerSignalError
 from tests.checkpoint.helpers import TOTAL, N, assert_same_as_straight, train_on_2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_resume_after_sigkill_matches_an_uninterrupted_run(
     tmp_path: Path, data_dir: Path, straight: list[dict], async_save: bool
@@ -36,6 +37,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(
     assert len(seen) > len(set(seen))
 
 
+@pytest.mark.slow
 def test_max_retries_relaunches_and_resumes_from_the_newest_checkpoint(
     tmp_path: Path, data_dir: Path, straight: list[dict]
 ) -> None:

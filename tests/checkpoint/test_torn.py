@@ -15,6 +15,7 @@ from tests.checkpoint.training import train_and_die_in_save
 die_on_2 = distributed(gpus=2, gpu_type="cpu", timeout=240, tracking=False)(train_and_die_in_save)
 
 
+@pytest.mark.slow
 def test_rank_killed_mid_save_leaves_a_torn_checkpoint_that_resume_skips(
     tmp_path: Path, data_dir: Path, straight: list[dict]
 ) -> None:
