@@ -69,7 +69,7 @@ def prepare(
         has_optimizer=optimizer is not None,
         **options,
     )
-    if resolved.mixed_precision != "no" and device.type == "cpu" and resolved.mixed_precision == "fp16" and resolved.strategy == "deepspeed":
+    if resolved.strategy == "deepspeed" and resolved.mixed_precision == "fp16" and device.type == "cpu":
         raise StrategyConfigError("DeepSpeed has no fp16 on CPU; use mixed_precision='bf16' or 'no' there")
     if resolved.strategy == "ddp":
         from .ddp import prepare_ddp
