@@ -1,0 +1,139 @@
+"""The Ray actor behind one rank: runs the shared worker entry in a child process on its node.
+
+The actor starts ``python -m gpufleet.launch.worker DIR RANK`` (the same entry the local
+launcher uses) in a node-local directory, collects its output line by line and hands the
+lines, the exit code and the outcome record back to the caller through :meth:`poll`.
+Running the rank in a child process keeps signals, exit codes and process-tree teardown
+identical to local runs; the child kills itself if the actor process goes away.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+from ..results import RunDir, read_outcome
+from .local import _kill_tree
+from .ports import find_free_port
+from .worker import PARENT_PID_ENV
+
+# Lines kept between two polls; beyond this the oldest are dropped (the caller is told).
+_MAX_PENDING_LINES = 100_000
+
+
+class RankProcess:
+    """Owns one rank's worker process on the node where Ray placed this actor."""
+
+    def __init__(self, run_id: str, rank: int) -> None:
+        self.rank = rank
+        self.dir = RunDir(Path(tempfile.mkdtemp(prefix=f"gpufleet-{run_id}-rank{rank}-")))
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lines: list[tuple[bool, bytes]] = []
+        self._dropped = 0
+        self._cond = threading.Condition()
+        self._pumps: list[threading.Thread] = []
+        self._outcome_sent = False
+
+    def node_info(self) -> dict[str, Any]:
+        """Where this actor runs: Ray node id, node address, host name and process id."""
+        import ray
+
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+
+    def free_port(self) -> int:
+        """A TCP port free on this node (for rank 0's rendezvous store)."""
+        return find_free_port("0.0.0.0")
+
+    def start(self, call_bytes: bytes, env: dict[str, str]) -> int:
+        """Start the rank's worker process with ``env`` on top of the actor's environment."""
+        import pickle
+
+        self.dir.payload.write_bytes(pickle.dumps({"call": call_bytes, "sys_path": []}))
+        full_env = dict(os.environ)
+        full_env.update(env)
+        # The actor's import path holds the code shipped through the runtime_env.
+        paths = [p for p in sys.path if p and os.path.exists(p)]
+        if full_env.get("PYTHONPATH"):
+            paths.append(full_env["PYTHONPATH"])
+        full_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        full_env[PARENT_PID_ENV] = str(os.getpid())
+        full_env["GPUFLEET_RUN_DIR"] = str(self.dir.path)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "gpufleet.launch.worker", str(self.dir.path), str(self.rank)],
+            env=full_env,
+            cwd=os.getcwd(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # own process group: teardown reaches grandchildren
+            close_fds=True,
+        )
+        for pipe, is_stderr in ((self._proc.stdout, False), (self._proc.stderr, True)):
+            t = threading.Thread(target=self._pump, args=(pipe, is_stderr), daemon=True)
+            t.start()
+            self._pumps.append(t)
+        return self._proc.pid
+
+    def _pump(self, pipe: IO[bytes], is_stderr: bool) -> None:
+        for line in iter(pipe.readline, b""):
+            with self._cond:
+                self._lines.append((is_stderr, line))
+                if len(self._lines) > _MAX_PENDING_LINES:
+                    del self._lines[0]
+                    self._dropped += 1
+                self._cond.notify_all()
+        pipe.close()
+
+    def poll(self, wait_s: float = 0.5) -> dict[str, Any]:
+        """New output lines, the exit code (``None`` while running) and the outcome once.
+
+        Waits up to ``wait_s`` for something new, so the caller can poll in a loop.
+        """
+        proc = self._proc
+        if proc is None:
+            return {"lines": [], "exit_code": None, "outcome": None, "dropped": 0}
+        with self._cond:
+            if not self._lines and proc.poll() is None:
+                self._cond.wait(wait_s)
+        code = proc.poll()
+        if code is not None:
+            for t in self._pumps:  # the last lines before the exit
+                t.join(2.0)
+        outcome = None
+        if not self._outcome_sent:
+            outcome = read_outcome(self.dir.outcome(self.rank))
+            self._outcome_sent = outcome is not None
+        with self._cond:
+            lines, self._lines = self._lines, []
+            dropped, self._dropped = self._dropped, 0
+        return {"lines": lines, "exit_code": code, "outcome": outcome, "dropped": dropped}
+
+    def dump_stacks(self) -> None:
+        """Make the worker print every thread's stack into its log (faulthandler, SIGUSR1)."""
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                os.kill(self._proc.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, grace_period_s: float) -> dict[str, Any]:
+        """Stop the worker's process tree (TERM, grace, KILL); returns a last :meth:`poll`."""
+        if self._proc is not None:
+            _kill_tree([self._proc], grace_period_s)
+            self._proc.wait()
+        last = self.poll(0.0)
+        shutil.rmtree(self.dir.path, ignore_errors=True)
+        return last

@@ -1,0 +1,72 @@
+"""A real two-node Ray cluster on this machine (two raylets), shared by a test module."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+
+def _private_auth() -> None:
+    """Token auth with a token that lives in the environment only (never in ~/.ray).
+
+    Ray reads the mode when it is imported and caches the token per process, so this runs
+    before ``import ray`` and one token serves the whole test session.
+    """
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+
+
+_private_auth()
+ray = pytest.importorskip("ray")
+
+NODE_ARGS = {
+    "num_cpus": 1,
+    "object_store_memory": 100 * 1024 * 1024,
+    "min_worker_port": 0,
+    "max_worker_port": 0,
+}
+
+
+class TwoNodeCluster:
+    """A head node and one worker node, each with one CPU and a marker resource."""
+
+    def __init__(self) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.temp_dir = tempfile.mkdtemp(prefix="gf-ray-")  # short: raylet socket paths
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                **NODE_ARGS,
+                "include_dashboard": False,
+                "temp_dir": self.temp_dir,
+                "resources": {"node0": 1},
+            },
+        )
+        self.worker = self.cluster.add_node(**NODE_ARGS, resources={"node1": 1})
+        self.cluster.wait_for_nodes()
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def shutdown(self) -> None:
+        if ray.is_initialized():
+            ray.shutdown()
+        self.cluster.shutdown()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[TwoNodeCluster]:
+    cluster = TwoNodeCluster()
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()

@@ -1,0 +1,107 @@
+"""``@distributed(remote=<address>)`` on a real two-node Ray cluster, CPU workers with gloo."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from gpufleet import distributed, errors
+from tests.proc import run_processes
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def _all_reduce_and_where() -> dict[str, object]:
+    import torch
+    import torch.distributed as dist
+
+    from gpufleet import runtime
+
+    runtime.setup()
+    t = torch.tensor([float(runtime.get_global_rank() + 1)])
+    dist.all_reduce(t)
+    print(f"hello from rank {runtime.get_global_rank()}", flush=True)
+    return {
+        "rank": runtime.get_global_rank(),
+        "world": runtime.get_world_size(),
+        "node_rank": runtime.get_node_rank(),
+        "local_rank": runtime.get_local_rank(),
+        "local_world": runtime.get_local_world_size(),
+        "num_nodes": int(os.environ["NUM_NODES"]),
+        "node_id": os.environ["GPUFLEET_RAY_NODE_ID"],
+        "sum": t.item(),
+    }
+
+
+class CustomTrainingError(RuntimeError):
+    """Raised on purpose by one rank."""
+
+
+def _rank_one_raises() -> int:
+    from gpufleet import runtime
+
+    if runtime.get_global_rank() == 1:
+        raise CustomTrainingError("loss became NaN at step 3")
+    time.sleep(60)
+    return 0
+
+
+def _sleep_long() -> None:
+    import time
+
+    time.sleep(300)
+
+
+def test_two_nodes_one_worker_each(two_nodes, tmp_path):
+    f = distributed(
+        _all_reduce_and_where, gpus=2, gpu_type="cpu", remote=two_nodes.address,
+        runs_dir=str(tmp_path), log_ranks="all", timeout=120,
+    )
+    handle = f.submit()
+    results = handle.result(timeout=150)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world"] == 2 and r["num_nodes"] == 2 for r in results)
+    assert all(r["sum"] == 3.0 for r in results)
+    assert {r["node_rank"] for r in results} == {0, 1}
+    assert all(r["local_rank"] == 0 and r["local_world"] == 1 for r in results)
+    assert results[0]["node_id"] != results[1]["node_id"]
+    assert "hello from rank 1" in handle.logs(1)
+    assert handle.status == "SUCCESS"
+
+
+def test_rank_exception_keeps_its_type(two_nodes, tmp_path):
+    f = distributed(
+        _rank_one_raises, gpus=2, gpu_type="cpu", remote=two_nodes.address,
+        runs_dir=str(tmp_path), grace_period_s=1.0, timeout=120,
+    )
+    t0 = time.monotonic()
+    with pytest.raises(CustomTrainingError, match="loss became NaN") as info:
+        f.distributed()
+    assert time.monotonic() - t0 < 50  # rank 0 is stopped, not waited for
+    assert info.value.gpufleet_rank == 1
+    assert isinstance(info.value.__cause__, errors.RemoteTraceback)
+    assert "_rank_one_raises" in str(info.value.__cause__)
+
+
+def test_lost_node_fails_clearly_and_leaves_nothing(two_nodes, tmp_path):
+    f = distributed(
+        _sleep_long, gpus=2, gpu_type="cpu", remote=two_nodes.address,
+        runs_dir=str(tmp_path), grace_period_s=1.0, timeout=200,
+    )
+    handle = f.submit()
+    deadline = time.monotonic() + 90
+    while len(run_processes(handle.run_id)) < 2 * 2:  # two actors, two ranks
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.5)
+    two_nodes.worker.kill_raylet()
+    with pytest.raises(errors.WorkerGroupError) as info:
+        handle.result(timeout=90)
+    assert info.value.rank == 1
+    assert "lost" in str(info.value)
+    assert handle.status == "FAILED"
+    deadline = time.monotonic() + 30
+    while run_processes(handle.run_id):
+        assert time.monotonic() < deadline, [p.cmdline() for p in run_processes(handle.run_id)]
+        time.sleep(0.5)
