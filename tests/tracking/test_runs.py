@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import uuid
 import warnings
@@ -12,8 +11,10 @@ import pytest
 
 from gpufleet.tracking import (
     DATA_WAIT_METRIC,
+    data_wait,
     default_tracking_uri,
     flatten_params,
+    flush_data_wait,
     log_data_wait,
     start_tracked_run,
 )
@@ -118,22 +119,44 @@ def test_system_metrics_are_logged_even_for_a_short_run(client: MlflowClient) ->
     assert len(history) >= 2  # periodic samples plus the last one
 
 
-def test_data_wait_is_logged_on_rank_0_only(client: MlflowClient, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_data_wait_logs_window_means_on_rank_0_only(
+    client: MlflowClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(data_wait, "LOG_INTERVAL_S", 3600.0)
     with start_tracked_run(_experiment(), "r", {}, system_metrics=False) as run:
         monkeypatch.setenv("MLFLOW_RUN_ID", run.run_id)
         monkeypatch.setenv("RANK", "1")
-        log_data_wait(9.0, step=1)
+        log_data_wait(9.0, step=1)  # not rank 0: ignored
         monkeypatch.setenv("RANK", "0")
-        log_data_wait(0.25, step=1)
-        log_data_wait(0.5, step=2)
-        mlflow.flush_async_logging()
+        log_data_wait(0.25, step=1)  # the first call logs at once
+        log_data_wait(0.5, step=2)  # these two wait for the window (or the flush)
+        log_data_wait(1.5, step=3)
+        flush_data_wait()
     history = client.get_metric_history(run.run_id, DATA_WAIT_METRIC)
-    assert sorted((m.step, m.value) for m in history) == [(1, 0.25), (2, 0.5)]
+    assert sorted((m.step, m.value) for m in history) == [(1, 0.25), (3, 1.0)]
+
+
+def test_data_wait_is_cheap(client: MlflowClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    with start_tracked_run(_experiment(), "r", {}, system_metrics=False) as run:
+        monkeypatch.setenv("MLFLOW_RUN_ID", run.run_id)
+        monkeypatch.setenv("RANK", "0")
+        log_data_wait(0.1, step=0)
+        t0 = time.perf_counter()
+        for step in range(1, 2001):
+            log_data_wait(0.1, step=step)
+        per_call = (time.perf_counter() - t0) / 2000
+        flush_data_wait()
+    assert per_call < 1e-3, f"log_data_wait took {per_call * 1e6:.0f} us per call"
+    assert [m.step for m in client.get_metric_history(run.run_id, DATA_WAIT_METRIC)][-1] == 2000
 
 
 def test_data_wait_without_a_run_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.setitem(data_wait._state, "run_id", None)
     log_data_wait(1.0, step=0)  # no run, no error
+    assert data_wait._state["count"] == 0
 
 
 def test_disabled_runs_create_nothing(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,27 +194,20 @@ def test_unreachable_store_warns_and_disables(monkeypatch: pytest.MonkeyPatch) -
     assert run.run_id is None
 
 
-def test_default_store_is_sqlite_under_gpufleet_home(tmp_path) -> None:
+def test_default_store_is_sqlite_under_gpufleet_home(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without MLFLOW_TRACKING_URI: sqlite:///$GPUFLEET_HOME/mlflow.db, artifacts in mlartifacts."""
-    code = (
-        "from gpufleet.tracking import start_tracked_run, default_tracking_uri\n"
-        "with start_tracked_run('exp', 'r', {'a': 1}, system_metrics=False) as run:\n"
-        "    run.log_config({'a': 1})\n"
-        "print(run.tracking_uri == default_tracking_uri(), run.run_id)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    env["GPUFLEET_HOME"] = str(tmp_path)
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
-    assert out.returncode == 0, out.stderr
-    same, run_id = out.stdout.split()
-    assert same == "True"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.setenv("GPUFLEET_HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with start_tracked_run("exp", "r", {"a": 1}, system_metrics=False) as run:
+        run.log_config({"a": 1})
+    assert run.tracking_uri == default_tracking_uri() == f"sqlite:///{tmp_path}/mlflow.db"
+    assert run.env()["MLFLOW_TRACKING_URI"] == run.tracking_uri
     assert (tmp_path / "mlflow.db").exists()
     artifacts = list((tmp_path / "mlartifacts").rglob("config.yaml"))
-    assert len(artifacts) == 1 and run_id in str(artifacts[0])
-    assert not (tmp_path / "mlruns").exists() and not (tmp_path / "mlartifacts" / "0").exists()
-    got = MlflowClient("sqlite:///" + str(tmp_path / "mlflow.db")).get_run(run_id)
+    assert len(artifacts) == 1 and run.run_id in str(artifacts[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlartifacts", "mlflow.db"]  # nothing in the cwd
+    got = MlflowClient(run.tracking_uri).get_run(run.run_id)
     assert got.data.params == {"a": "1"}
 
 

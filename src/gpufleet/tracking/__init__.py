@@ -10,13 +10,12 @@ Importing this package is light: MLflow is imported only when a tracked run star
 
 from __future__ import annotations
 
+from .data_wait import DATA_WAIT_METRIC, flush_data_wait, log_data_wait
 from .runs import (
-    DATA_WAIT_METRIC,
     TRACKING_ENV,
     TrackedRun,
     default_tracking_uri,
     flatten_params,
-    log_data_wait,
     start_tracked_run,
     tracking_enabled,
 )
@@ -27,6 +26,7 @@ __all__ = [
     "TrackedRun",
     "default_tracking_uri",
     "flatten_params",
+    "flush_data_wait",
     "log_data_wait",
     "start_tracked_run",
     "tracking_enabled",

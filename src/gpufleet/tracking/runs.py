@@ -1,6 +1,6 @@
 """MLflow runs for gpufleet calls and workload attempts (:func:`start_tracked_run`).
 
-MLflow is imported only inside :func:`start_tracked_run` and :func:`log_data_wait`, so this
+MLflow is imported only inside :func:`start_tracked_run` and the methods of a run, so this
 module is safe to import from ``gpufleet``'s light paths. When MLflow is not installed a
 tracked run degrades to a disabled one with a single warning, and the call still runs.
 """
@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import re
-import sys
 import threading
 import time
 import warnings
@@ -28,7 +27,6 @@ from ..results import gpufleet_home
 logger = logging.getLogger(__name__)
 
 TRACKING_ENV = "GPUFLEET_TRACKING"
-DATA_WAIT_METRIC = "data/wait_seconds"
 DEFAULT_EXPERIMENT = "gpufleet"
 INSTALL_HINT = "pip install 'gpufleet[mlflow]'"
 
@@ -433,30 +431,3 @@ def _open_run(
         run.log_params(params)
     logger.debug("MLflow run %s in experiment %s at %s", info.run_id, experiment.name, uri)
     return run
-
-
-def log_data_wait(seconds: float, step: int | None = None) -> None:
-    """Log how long training waited for data (``data/wait_seconds``) into the rank's run.
-
-    Meant for the data loader on rank 0: it does nothing on other ranks, outside a tracked
-    run (no ``$MLFLOW_RUN_ID``), with tracking switched off or without MLflow. Logging is
-    asynchronous, so a call costs microseconds.
-    """
-    if os.environ.get("RANK", "0") != "0" or not tracking_enabled():
-        return
-    run_id = os.environ.get("MLFLOW_RUN_ID")
-    if not run_id:
-        # mlflow.start_run() (also run by report_to="mlflow") moves MLFLOW_RUN_ID into the active run
-        mlflow = sys.modules.get("mlflow")
-        active = mlflow.active_run() if mlflow is not None else None
-        if active is None:
-            return
-        run_id = active.info.run_id
-    try:
-        import mlflow
-    except ImportError:
-        return
-    try:
-        mlflow.log_metric(DATA_WAIT_METRIC, float(seconds), step=step, run_id=run_id, synchronous=False)
-    except Exception as e:  # noqa: BLE001 - a metric must never stop training
-        logger.debug("could not log %s: %s", DATA_WAIT_METRIC, e)
