@@ -31,7 +31,7 @@ def train(epochs: int = 20, lr: float = 3e-3, num_samples: int = 16384, batch_si
     # The same synthetic dataset on every rank (seeded); each rank reads its own shard.
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(num_samples, 16, generator=gen)
-    w = torch.randn(16, 1, generator=gen)
+    w = torch.randn(16, 1, generator=gen) / 4  # x . w ~ N(0, 1): a smooth target
     y = torch.sin(x @ w) + 0.05 * torch.randn(num_samples, 1, generator=gen)
     dataset = TensorDataset(x, y)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
