@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from gpufleet import distributed
-from gpufleet.errors import DistributedTimeoutError
+from gpufleet.errors import DistributedTimeoutError, RunCanceledError
 from gpufleet.tracking import runs as runs_module
 
 mlflow = pytest.importorskip("mlflow")
@@ -117,6 +117,27 @@ def test_timeout_marks_the_run_timed_out(client: MlflowClient) -> None:
         f.distributed()
     (run,) = _runs(client, exp)
     assert run.info.status == "FAILED" and run.data.tags["gpufleet.status"] == "TIMEDOUT"
+
+
+def test_two_calls_at_once_one_canceled_each_recorded(client: MlflowClient) -> None:
+    def nap(seconds: float) -> str:
+        import time
+
+        time.sleep(seconds)
+        return "done"
+
+    exp = _experiment()
+    f = distributed(nap, experiment_name=exp, grace_period_s=0.5, **CPU)
+    slow, quick = f.submit(60), f.submit(0.5)
+    assert slow.mlflow_run_id != quick.mlflow_run_id
+    assert quick.result(timeout=120) == ["done", "done"]
+    slow.cancel()
+    with pytest.raises(RunCanceledError):
+        slow.result(timeout=60)
+    got_slow, got_quick = client.get_run(slow.mlflow_run_id), client.get_run(quick.mlflow_run_id)
+    assert (got_slow.info.status, got_slow.data.tags["gpufleet.status"]) == ("KILLED", "CANCELED")
+    assert (got_quick.info.status, got_quick.data.tags["gpufleet.status"]) == ("FINISHED", "SUCCESS")
+    assert "error.txt" not in [a.path for a in client.list_artifacts(slow.mlflow_run_id)]
 
 
 def test_call_is_nested_under_the_callers_active_run(client: MlflowClient) -> None:

@@ -53,7 +53,7 @@ class TrackedLocalRun:
         run = self._run
         status = run.status if run.status in ("SUCCESS", "FAILED", "CANCELED", "TIMEDOUT") else "FAILED"
         self.tracked.log_artifacts([run.run_dir.log(r) for r in range(run.spec.num_workers)], "logs")
-        if error is not None:  # the root cause with its remote traceback and the other ranks' fate
+        if error is not None and status in ("FAILED", "TIMEDOUT"):  # root cause, remote traceback, other ranks
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
             self.tracked.log_text(text, "error.txt")
         self.tracked.end(status)
