@@ -1,8 +1,8 @@
 """SFT with a plain PyTorch loop: FSDP2 via gpufleet.strategies, packed sequences, DCP checkpoints.
 
 Chat examples are tokenized with the model's chat template and packed best-fit into sequences
-of ``seq_len`` tokens with TRL's ``pack_dataset``; ``position_ids`` restart at every packed
-example, so attention kernels that read them keep examples apart.
+of ``seq_len`` tokens with TRL's ``pack_dataset``; ``position_ids`` (from its ``seq_lengths``)
+restart at every packed example, so attention kernels that read them keep examples apart.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def load_parameters() -> dict[str, Any]:
 
 
 def packed_dataset(tokenizer: Any, train_file: str, seq_len: int) -> Any:
-    """Tokenize chat examples and pack them into ``seq_len``-token rows (input_ids, position_ids)."""
+    """Tokenize chat examples and pack them into ``seq_len``-token rows (input_ids, seq_lengths)."""
     from datasets import load_dataset
     from trl import pack_dataset
 
@@ -68,16 +68,19 @@ def main() -> None:
         order = torch.randperm(len(rows), generator=g).tolist()
         picks = [order[(rank * micro + i) % len(rows)] for i in range(micro)]
 
-        def padded(key: str, fill: int) -> torch.Tensor:
+        def padded(values_of: Any, fill: int) -> torch.Tensor:
             out = torch.full((micro, seq_len), fill, dtype=torch.long)
             for i, j in enumerate(picks):
-                values = rows[j][key][:seq_len]
+                values = values_of(rows[j])[:seq_len]
                 out[i, : len(values)] = torch.tensor(values)
             return out.to(device)
 
-        return {"input_ids": padded("input_ids", tokenizer.pad_token_id or 0),
-                "position_ids": padded("position_ids", 0),
-                "labels": padded("input_ids", -100)}
+        def positions(row: dict[str, Any]) -> list[int]:  # restart at every packed example
+            return [pos for n in row["seq_lengths"] for pos in range(n)]
+
+        return {"input_ids": padded(lambda r: r["input_ids"], tokenizer.pad_token_id or 0),
+                "position_ids": padded(positions, 0),
+                "labels": padded(lambda r: r["input_ids"], -100)}
 
     started, losses, tokens = time.perf_counter(), [], 0
     for step in range(start, max_steps):
