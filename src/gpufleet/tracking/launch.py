@@ -52,7 +52,7 @@ class TrackedLocalRun:
             self._finished = True
         run = self._run
         status = run.status if run.status in ("SUCCESS", "FAILED", "CANCELED", "TIMEDOUT") else "FAILED"
-        self.tracked.log_artifacts([run.run_dir.log(r) for r in range(run.spec.num_workers)], "logs")
+        self.tracked.log_artifacts(sorted(run.run_dir.path.glob("rank-*.log")), "logs")
         if error is not None and status in ("FAILED", "TIMEDOUT"):  # root cause, remote traceback, other ranks
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
             self.tracked.log_text(text, "error.txt")
