@@ -64,7 +64,7 @@ def main() -> None:
         if os.environ.get("RAY_ADDRESS"):
             ray.init()
         else:
-            ray.init(num_cpus=num_workers + 1, include_dashboard=False,
+            ray.init(address="local", num_cpus=num_workers + 1, include_dashboard=False,
                      object_store_memory=int(p.get("object_store_bytes", 300 * 2**20)))
     trainer = TorchTrainer(
         train_loop, train_loop_config=p,

@@ -94,7 +94,7 @@ def main() -> None:
         if address:
             ray.init(address=address)
         else:  # single machine: a local Ray instance (capped for small machines)
-            ray.init(num_cpus=max(num_workers + 1, 2), include_dashboard=False,
+            ray.init(address="local", num_cpus=max(num_workers + 1, 2), include_dashboard=False,
                      object_store_memory=int(params.get("object_store_bytes", 300 * 2**20)))
     trainer = TorchTrainer(
         train_loop,

@@ -105,8 +105,9 @@ def test_workload_smoke_runs_on_two_cpu_workers(name: str, tmp_path: Path) -> No
     assets = _assets(tmp_path, arch, data)
     result = _result(_smoke_run(name, overrides(assets, str(tmp_path / "out")), tmp_path))
     if name == "ray-train-qwen25-3b-sft":
-        assert result["num_workers"] == 2 and result["steps"] == 3
-        assert result["wrapper"] == "DistributedDataParallel"
+        # Ray Train's result carries the metrics reported with the last checkpoint (step 3)
+        assert result["num_workers"] == 2 and result["step"] == 3, result
+        assert result["epoch"] > 0
     else:
         assert result["world_size"] == 2
     if name == "fsdp2-qwen-27b-packing":
