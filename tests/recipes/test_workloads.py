@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.recipes.nb import REPO, RECIPES, env_python, require_env
+from tests.recipes.nb import RECIPES, REPO, env_python, require_env
 
 GPUFLEET = [sys.executable, "-m", "gpufleet.cli"]
 WORKLOADS = sorted(p.parent.name for p in RECIPES.glob("*/workload.yaml"))
