@@ -98,8 +98,12 @@ def test_lost_node_fails_clearly_and_leaves_nothing(two_nodes, tmp_path):
     two_nodes.worker.kill_raylet()
     with pytest.raises(errors.WorkerGroupError) as info:
         handle.result(timeout=90)
-    assert info.value.rank == 1
-    assert "lost" in str(info.value)
+    lost_node = two_nodes.worker.node_id[:12]
+    root = info.value.root_cause
+    assert root is not None and root.kind == "lost"
+    assert f"node {lost_node}" in root.message and "was lost" in root.message
+    others = [f for r, f in info.value.failures.items() if r != root.rank]
+    assert [f.kind for f in others] == ["stopped"], info.value.summary()
     assert handle.status == "FAILED"
     deadline = time.monotonic() + 30
     while run_processes(handle.run_id):

@@ -254,6 +254,7 @@ class RayRun:
     """One group of ranks on a Ray cluster, started by :func:`start_ray_run`."""
 
     _POLL_WAIT_S = 0.5
+    _UNREACHABLE_GRACE_S = 60.0
     _SCHEDULE_LOG_S = 30.0
 
     def __init__(self, opts: LaunchOptions, address: str, call_bytes: bytes, name: str, attempt: int) -> None:
@@ -278,6 +279,7 @@ class RayRun:
         self._failures: dict[int, RankFailure] = {}
         self._done: dict[int, dict[str, Any]] = {}
         self._outcomes: dict[int, dict[str, Any]] = {}
+        self._unreachable_since: dict[int, float] = {}
         self._stop_reason: str | None = None
         self._cancel_grace: float | None = None
         self._lock = threading.Lock()
@@ -468,9 +470,20 @@ class RayRun:
                 rank = polls.pop(ref)
                 try:
                     report = ray.get(ref)
+                except ray.exceptions.ActorUnavailableError as e:
+                    # Unreachable for now (a restarting link, or a node going down): ask
+                    # again until Ray says the actor or its node is dead, within a grace.
+                    first = self._unreachable_since.setdefault(rank, time.monotonic())
+                    if self._node_alive(rank) and time.monotonic() - first < self._UNREACHABLE_GRACE_S:
+                        time.sleep(self._POLL_WAIT_S)
+                        issue(rank)
+                    else:
+                        self._failures[rank] = self._lost(rank, e)
+                    continue
                 except ray.exceptions.RayError as e:
                     self._failures[rank] = self._lost(rank, e)
                     continue
+                self._unreachable_since.pop(rank, None)
                 if self._absorb(rank, report) is None:
                     issue(rank)
 
@@ -493,6 +506,19 @@ class RayRun:
             return OK
         self._failures[rank] = self._failure_from_exit(rank, code)
         return ERROR
+
+    def _absorb_stopped(self, rank: int, report: dict[str, Any]) -> None:
+        """Take the last report of a rank that gpufleet stopped: its exit code is ours."""
+        self._rank_logs[rank].write(report["lines"], report.get("dropped", 0))
+        if report["outcome"] is not None:
+            self._outcomes[rank] = report["outcome"]
+        rec = self._outcomes.get(rank)
+        if rank in self._failures or rank in self._done or rec is None:
+            return
+        if rec["status"] == ERROR:
+            self._failures[rank] = self._failure_from_outcome(rank, rec)
+        else:
+            self._done[rank] = rec
 
     def _failure_from_outcome(self, rank: int, rec: dict[str, Any]) -> RankFailure:
         msg = rec.get("message", "")
@@ -518,12 +544,23 @@ class RayRun:
             return RankFailure(kind=NO_RESULT, exit_code=0, **common)
         return RankFailure(kind=EXIT, exit_code=code, **common)
 
+    def _node_alive(self, rank: int) -> bool:
+        node = self.node_ids[rank] if rank < len(self.node_ids) else None
+        try:
+            alive = {n["NodeID"]: n["Alive"] for n in self._ray.nodes()}
+        except Exception:  # noqa: BLE001 - the cluster itself is unreachable
+            return False
+        return alive.get(node, False) if node else True
+
     def _lost(self, rank: int, error: BaseException) -> RankFailure:
         node = self.node_ids[rank] if rank < len(self.node_ids) else "?"
-        alive = {n["NodeID"]: n["Alive"] for n in self._ray.nodes()}
         where = f"node {node[:12]}"
-        if alive.get(node) is False:
+        node_died = "node" in str(error).lower() and "died" in str(error).lower()
+        if node_died or not self._node_alive(rank):
             reason = f"its Ray node ({where}) was lost"
+        elif rank in self._unreachable_since:
+            waited = time.monotonic() - self._unreachable_since[rank]
+            reason = f"its Ray actor on {where} was unreachable for {waited:.0f} s"
         else:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             reason = f"its Ray actor on {where} died ({type(error).__name__}: {first[:300]})"
@@ -562,7 +599,7 @@ class RayRun:
                         if rank not in self._done and rank not in self._failures and reason != "finished":
                             self._failures[rank] = self._lost(rank, e)
                         continue
-                    self._absorb(rank, report)
+                    self._absorb_stopped(rank, report)
         finally:
             self._release()
             for rank in range(self._num_ranks):

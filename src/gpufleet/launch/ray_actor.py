@@ -17,16 +17,43 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import IO, Any
 
 from ..results import RunDir, read_outcome
-from .local import _kill_tree
 from .ports import find_free_port
 from .worker import PARENT_PID_ENV
 
 # Lines kept between two polls; beyond this the oldest are dropped (the caller is told).
 _MAX_PENDING_LINES = 100_000
+
+
+def _stop_tree(proc: subprocess.Popen[bytes], grace_period_s: float) -> None:
+    """Stop the worker's process group and every descendant: TERM, grace period, KILL."""
+    import psutil
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        family = []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for p in family:  # children that left the group with setsid
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
+                pass
+        deadline = time.monotonic() + (grace_period_s if sig == signal.SIGTERM else 5.0)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not any(
+                p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family
+            ):
+                return
+            time.sleep(0.05)
 
 
 class RankProcess:
@@ -132,7 +159,7 @@ class RankProcess:
     def stop(self, grace_period_s: float) -> dict[str, Any]:
         """Stop the worker's process tree (TERM, grace, KILL); returns a last :meth:`poll`."""
         if self._proc is not None:
-            _kill_tree([self._proc], grace_period_s)
+            _stop_tree(self._proc, grace_period_s)
             self._proc.wait()
         last = self.poll(0.0)
         shutil.rmtree(self.dir.path, ignore_errors=True)

@@ -20,9 +20,9 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,6 +36,7 @@ __all__ = ["ray_launch", "RayDriverEntry"]
 
 _HEAD_START_TIMEOUT_S = 120.0
 _HEAD_STOP_TIMEOUT_S = 30.0
+_STARTED_MESSAGE = b"Ray runtime started"
 
 
 def _ray_command() -> list[str]:
@@ -48,12 +49,15 @@ def _ray_command() -> list[str]:
     raise ImportError("ray_launch needs Ray's command line: pip install 'gpufleet[ray]'")
 
 
-def _port_open(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
+def _forward_output(proc: subprocess.Popen[bytes], started: threading.Event) -> None:
+    """Copy ``ray start``'s output to this rank's stdout; flag its "started" message."""
+    assert proc.stdout is not None
+    for line in iter(proc.stdout.readline, b""):
+        sys.stdout.write(line.decode("utf-8", "replace"))
+        sys.stdout.flush()
+        if _STARTED_MESSAGE in line:
+            started.set()
+    proc.stdout.close()
 
 
 def _stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -68,13 +72,26 @@ def _stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
         proc.wait()
 
 
+def _private_token() -> None:
+    """Token authentication with a fresh token kept in the environment (never in ``~/.ray``)."""
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    if "ray" in sys.modules:
+        # Ray reads the mode when it is imported (the function's module may have imported
+        # it already); this refreshes it, as `ray.init` does when it enables token auth.
+        from ray._raylet import Config
+
+        Config.initialize("")
+
+
 class RayDriverEntry:
     """What every rank runs under ``ray_launch``: rank 0 hosts Ray and drives ``func``."""
 
     def __init__(self, func: Callable[..., Any], ray_start_args: Sequence[str], init_kwargs: dict[str, Any]) -> None:
-        self.func = func
-        self.ray_start_args = list(ray_start_args)
-        self.init_kwargs = dict(init_kwargs)
+        # Names that cannot clash with the attributes functools.update_wrapper copies on.
+        self._driver_func = func
+        self._ray_start_args = list(ray_start_args)
+        self._driver_init_kwargs = dict(init_kwargs)
         functools.update_wrapper(self, func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -83,7 +100,7 @@ class RayDriverEntry:
         if runtime.get_global_rank() != 0:
             return None  # rank 0's head owns this node's GPUs; nothing to do here
         if os.environ.get("GPUFLEET_RAY_REMOTE"):
-            return self.func(*args, **kwargs)  # RAY_ADDRESS points at an existing cluster
+            return self._driver_func(*args, **kwargs)  # RAY_ADDRESS points at an existing cluster
         return self._drive(args, kwargs)
 
     def _head_command(self, port: int) -> list[str]:
@@ -103,34 +120,40 @@ class RayDriverEntry:
         addr = runtime.get_master_addr()
         if addr not in ("127.0.0.1", "localhost", "::1"):
             cmd.append(f"--node-ip-address={addr}")
-        return cmd + self.ray_start_args
+        return cmd + self._ray_start_args
 
     def _drive(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        import ray
-
         from .. import runtime
 
         port = runtime.get_master_port()
         host = runtime.get_master_addr()
         if os.environ.get("RAY_AUTH_MODE") is None:
-            # A private token per cluster: nothing is written to ~/.ray.
-            os.environ["RAY_AUTH_MODE"] = "token"
-            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+            _private_token()
         os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-        head = subprocess.Popen(self._head_command(port), stdin=subprocess.DEVNULL)
+        import ray
+        # The driver has disconnected when the head is stopped: nothing left to drain.
+        head_env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+        head = subprocess.Popen(
+            self._head_command(port), env=head_env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        started = threading.Event()
+        threading.Thread(target=_forward_output, args=(head, started), daemon=True).start()
         try:
             deadline = time.monotonic() + _HEAD_START_TIMEOUT_S
-            while not _port_open(host, port):
+            # The head's own message, not an open port: another cluster may hold this port.
+            while not started.wait(0.2):
                 if head.poll() is not None:
-                    raise RuntimeError(f"'ray start --head' exited with code {head.returncode}; see the log above")
+                    raise RuntimeError(
+                        f"'ray start --head --port={port}' exited with code {head.returncode}; see the log above"
+                    )
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the Ray head did not open port {port} within {_HEAD_START_TIMEOUT_S:g} s")
-                time.sleep(0.2)
+                    raise TimeoutError(f"the Ray head did not start within {_HEAD_START_TIMEOUT_S:g} s")
             address = f"{host}:{port}"
             os.environ["RAY_ADDRESS"] = address
-            ray.init(address=address, **{"log_to_driver": True, **self.init_kwargs})
+            ray.init(address=address, **{"log_to_driver": True, **self._driver_init_kwargs})
             try:
-                return self.func(*args, **kwargs)
+                return self._driver_func(*args, **kwargs)
             finally:
                 ray.shutdown()
         finally:
