@@ -80,11 +80,11 @@ SMOKE = {
 
 def _smoke_run(name: str, overrides: list[str], tmp: Path, python_bin: Path | None = None, timeout: int = 600) -> str:
     env = {"GPUFLEET_HOME": str(tmp / "home"), "TORCH_EXTENSIONS_DIR": str(Path.home() / ".cache" / "torch_extensions")}
-    if python_bin is not None:  # run the command with the recipe environment's interpreter first on PATH
-        env["PATH"] = f"{python_bin.parent}{os.pathsep}{os.environ['PATH']}"
     args = ["run", "-f", "workload.yaml", "--watch", "--no-tracking",
             "--override", "compute.accelerator_type=CPU_2", "--override", "compute.num_accelerators=2",
             "--override", "environment.dependencies=[]"]
+    if python_bin is not None:  # the workload's command runs ${PYTHON:-python}
+        overrides = [*overrides, f"env_variables.PYTHON={python_bin}"]
     for o in overrides:
         args += ["--override", o]
     proc = _cli(*args, cwd=RECIPES / name, env=env, timeout=timeout)
