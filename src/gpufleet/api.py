@@ -33,6 +33,7 @@ class LaunchOptions:
     runs_dir: str | None = None
     grace_period_s: float = 5.0
     max_retries: int = 0
+    fast_exit: bool = True
     name: str | None = None
     ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
     tracking: bool = True
@@ -332,6 +333,7 @@ class DistributedFunction:
             runs_dir=opts.runs_dir,
             name=name,
             logs=LogConfig(enabled=opts.stream_logs, full_ranks=opts.log_ranks, stderr=opts.stream_stderr),
+            fast_exit=opts.fast_exit,
         )
 
         from .tracking import tracking_enabled

@@ -90,9 +90,11 @@ class LocalLaunchSpec:
     name: str = "run"
     logs: LogConfig = field(default_factory=LogConfig)
     master_addr: str = "127.0.0.1"
+    fast_exit: bool = True
 
 
 _active: weakref.WeakSet[LocalRun] = weakref.WeakSet()
+_reapers: set[threading.Thread] = set()  # not daemons: the interpreter waits for them at exit
 
 
 @atexit.register
@@ -272,7 +274,11 @@ class LocalRun:
 
     def start(self) -> LocalRun:
         """Write the payload and spawn every rank (fresh interpreters, never fork)."""
-        payload = {"call": self._call_bytes, "sys_path": [p for p in sys.path if p]}
+        payload = {
+            "call": self._call_bytes,
+            "sys_path": [p for p in sys.path if p],
+            "fast_exit": self.spec.fast_exit,
+        }
         self.run_dir.payload.write_bytes(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
         self._call_bytes = b""
         self.master_port = find_free_port(self.spec.master_addr)
@@ -334,13 +340,12 @@ class LocalRun:
             rec = read_outcome(self.run_dir.outcome(rank))
             if rec is not None and rec["status"] == ERROR:
                 self._failures[rank] = self._failure_from_outcome(rank, rec)
+            elif rec is not None and rec["status"] == OK:
+                # The rank returned; it may still be exiting (interpreter shutdown with torch
+                # loaded takes ~0.5 s). The reaper waits for that after the results are back.
+                self._done[rank] = rec
             elif code is not None:
-                if rec is not None and rec["status"] == OK and code == 0:
-                    self._done[rank] = rec
-                elif rec is not None and rec["status"] == OK:
-                    self._done[rank] = rec  # returned, then died on the way out: keep the value
-                else:
-                    self._failures[rank] = self._failure_from_exit(rank, code)
+                self._failures[rank] = self._failure_from_exit(rank, code)
 
     def _stop(self, reason: str, grace_period_s: float, dump_stacks: bool = False) -> None:
         """Stop every rank still running; ranks without an outcome are marked STOPPED."""
@@ -459,10 +464,15 @@ class LocalRun:
         with self._lock:
             if self._finished.is_set():
                 return
-            if status == SUCCESS and _run_processes(self.run_id):
-                _kill_tree(self._procs, self.spec.grace_period_s, self.run_id)  # strays of the function
-            for pump in self._pumps:
-                pump.close()
+            if status == SUCCESS:
+                # Every rank returned: hand back the results now and let a reaper wait for the
+                # ranks to finish exiting (atexit handlers, flushes), then stop any stray child.
+                reaper = threading.Thread(target=self._reap, name=f"gpufleet-reap-{self.run_id}")
+                _reapers.add(reaper)
+                reaper.start()
+            else:
+                for pump in self._pumps:
+                    pump.close()
             _active.discard(self)
             if status == SUCCESS:
                 try:
@@ -474,6 +484,19 @@ class LocalRun:
             self.status = status
             self._cleanup_files()
             self._finished.set()
+
+    def _reap(self) -> None:
+        try:
+            deadline = time.monotonic() + max(10.0, self.spec.grace_period_s)
+            while any(p.poll() is None for p in self._procs) and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
+            if any(p.poll() is None for p in self._procs) or _run_processes(self.run_id):
+                logger.warning("run %s: stopping processes still running after every rank returned", self.run_id)
+                _kill_tree(self._procs, self.spec.grace_period_s, self.run_id)
+            for pump in self._pumps:
+                pump.close()
+        finally:
+            _reapers.discard(threading.current_thread())
 
     def _load_values(self) -> list[Any]:
         import cloudpickle

@@ -120,9 +120,35 @@ def main(argv: list[str] | None = None) -> int:
         if entry not in sys.path:
             sys.path.append(entry)
     ok = run_rank(payload["call"], rank, run_dir.outcome(rank))
+    code = 0 if ok else 1
+    if payload.get("fast_exit", True):
+        fast_exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
-    return 0 if ok else 1
+    return code
+
+
+def fast_exit(code: int) -> None:
+    """Exit without tearing down every module (about 0.5 s once torch is loaded).
+
+    Does what matters of a normal shutdown first: joins non-daemon threads (an async
+    checkpoint writer, say), runs atexit handlers (logging, MLflow, Hugging Face) and flushes
+    stdio. Module finalisation and garbage collection at exit are skipped.
+    """
+    import atexit
+
+    shutdown = getattr(threading, "_shutdown", None)
+    try:
+        if shutdown is not None:
+            shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
 
 
 if __name__ == "__main__":
