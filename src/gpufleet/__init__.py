@@ -23,9 +23,27 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+# Public names loaded on first use, so that ``import gpufleet`` stays light.
+_LAZY = {
+    "ray_launch": "gpufleet.launch.ray",
+    "prepare": "gpufleet.strategies",
+    "plan": "gpufleet.strategies",
+    "advise": "gpufleet.strategies",
+    "PreparedModel": "gpufleet.strategies",
+    "DDPConfig": "gpufleet.strategies",
+    "FSDP2Config": "gpufleet.strategies",
+    "DeepSpeedConfig": "gpufleet.strategies",
+    "StrategyConfigError": "gpufleet.strategies",
+    "CheckpointManager": "gpufleet.checkpoint",
+    "CheckpointError": "gpufleet.checkpoint",
+    "export_checkpoint": "gpufleet.checkpoint",
+    "FileDataset": "gpufleet.data",
+    "TimedDataLoader": "gpufleet.data",
+    "start_tracked_run": "gpufleet.tracking",
+}
+
 __all__ = [
     "distributed",
-    "ray_launch",
     "runtime",
     "errors",
     "DistributedFunction",
@@ -40,12 +58,16 @@ __all__ = [
     "DistributedTimeoutError",
     "RunCanceledError",
     "__version__",
+    *_LAZY,
 ]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "ray_launch":
-        from .launch.ray import ray_launch
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'gpufleet' has no attribute {name!r}")
+    import importlib
 
-        return ray_launch
-    raise AttributeError(f"module 'gpufleet' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value

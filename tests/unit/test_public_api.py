@@ -21,6 +21,9 @@ def test_public_api_is_pinned():
             "GpufleetError", "LaunchConfigError", "GPUUnavailableError", "PayloadPicklingError",
             "WorkerGroupError", "WorkerSignalError", "WorkerExitError", "DistributedTimeoutError",
             "RunCanceledError", "__version__",
+            "prepare", "plan", "advise", "PreparedModel", "DDPConfig", "FSDP2Config", "DeepSpeedConfig",
+            "StrategyConfigError", "CheckpointManager", "CheckpointError", "export_checkpoint",
+            "FileDataset", "TimedDataLoader", "start_tracked_run",
         ]
     )
     for name in gpufleet.__all__:
