@@ -1,8 +1,9 @@
-"""The Ray actor behind one rank: runs the shared worker entry in a child process on its node.
+"""Ray actors that run one child process on their node: a rank, or a workload node's command.
 
-The actor starts ``python -m gpufleet.launch.worker DIR RANK`` (the same entry the local
-launcher uses) in a node-local directory, collects its output line by line and hands the
-lines, the exit code and the outcome record back to the caller through :meth:`poll`.
+:class:`RankProcess` starts ``python -m gpufleet.launch.worker DIR RANK`` (the same entry the
+local launcher uses) in a node-local directory; :class:`NodeCommand` starts a workload's
+``bash -c COMMAND``. Both collect the child's output line by line and hand the lines, the
+exit code and (for ranks) the outcome record back to the caller through ``poll``.
 Running the rank in a child process keeps signals, exit codes and process-tree teardown
 identical to local runs; the child kills itself if the actor process goes away.
 """
@@ -56,18 +57,16 @@ def _stop_tree(proc: subprocess.Popen[bytes], grace_period_s: float) -> None:
             time.sleep(0.05)
 
 
-class RankProcess:
-    """Owns one rank's worker process on the node where Ray placed this actor."""
+class ChildProcess:
+    """Owns one child process on the node where Ray placed this actor; hands its output back."""
 
-    def __init__(self, run_id: str, rank: int) -> None:
-        self.rank = rank
-        self.dir = RunDir(Path(tempfile.mkdtemp(prefix=f"gpufleet-{run_id}-rank{rank}-")))
+    def __init__(self, prefix: str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix=prefix))
         self._proc: subprocess.Popen[bytes] | None = None
         self._lines: list[tuple[bool, bytes]] = []
         self._dropped = 0
         self._cond = threading.Condition()
         self._pumps: list[threading.Thread] = []
-        self._outcome_sent = False
 
     def node_info(self) -> dict[str, Any]:
         """Where this actor runs: Ray node id, node address, host name and process id."""
@@ -81,27 +80,14 @@ class RankProcess:
         }
 
     def free_port(self) -> int:
-        """A TCP port free on this node (for rank 0's rendezvous store)."""
+        """A TCP port free on this node (for the rendezvous store of rank 0 / node 0)."""
         return find_free_port("0.0.0.0")
 
-    def start(self, call_bytes: bytes, env: dict[str, str]) -> int:
-        """Start the rank's worker process with ``env`` on top of the actor's environment."""
-        import pickle
-
-        self.dir.payload.write_bytes(pickle.dumps({"call": call_bytes, "sys_path": []}))
-        full_env = dict(os.environ)
-        full_env.update(env)
-        # The actor's import path holds the code shipped through the runtime_env.
-        paths = [p for p in sys.path if p and os.path.exists(p)]
-        if full_env.get("PYTHONPATH"):
-            paths.append(full_env["PYTHONPATH"])
-        full_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        full_env[PARENT_PID_ENV] = str(os.getpid())
-        full_env["GPUFLEET_RUN_DIR"] = str(self.dir.path)
+    def _spawn(self, argv: list[str], env: dict[str, str], cwd: str) -> int:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "gpufleet.launch.worker", str(self.dir.path), str(self.rank)],
-            env=full_env,
-            cwd=os.getcwd(),
+            argv,
+            env=env,
+            cwd=cwd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -113,6 +99,9 @@ class RankProcess:
             t.start()
             self._pumps.append(t)
         return self._proc.pid
+
+    def _outcome(self) -> dict[str, Any] | None:
+        return None
 
     def _pump(self, pipe: IO[bytes], is_stderr: bool) -> None:
         for line in iter(pipe.readline, b""):
@@ -139,10 +128,7 @@ class RankProcess:
         if code is not None:
             for t in self._pumps:  # the last lines before the exit
                 t.join(2.0)
-        outcome = None
-        if not self._outcome_sent:
-            outcome = read_outcome(self.dir.outcome(self.rank))
-            self._outcome_sent = outcome is not None
+        outcome = self._outcome()
         with self._cond:
             lines, self._lines = self._lines, []
             dropped, self._dropped = self._dropped, 0
@@ -162,5 +148,70 @@ class RankProcess:
             _stop_tree(self._proc, grace_period_s)
             self._proc.wait()
         last = self.poll(0.0)
-        shutil.rmtree(self.dir.path, ignore_errors=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
         return last
+
+
+class RankProcess(ChildProcess):
+    """One rank of a ``@distributed`` run: the shared worker entry in a child process."""
+
+    def __init__(self, run_id: str, rank: int) -> None:
+        super().__init__(f"gpufleet-{run_id}-rank{rank}-")
+        self.rank = rank
+        self.run_dir = RunDir(self.dir)
+        self._outcome_sent = False
+
+    def start(self, call_bytes: bytes, env: dict[str, str]) -> int:
+        """Start the rank's worker process with ``env`` on top of the actor's environment."""
+        import pickle
+
+        self.run_dir.payload.write_bytes(pickle.dumps({"call": call_bytes, "sys_path": []}))
+        full_env = dict(os.environ)
+        full_env.update(env)
+        # The actor's import path holds the code shipped through the runtime_env.
+        paths = [p for p in sys.path if p and os.path.exists(p)]
+        if full_env.get("PYTHONPATH"):
+            paths.append(full_env["PYTHONPATH"])
+        full_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        full_env[PARENT_PID_ENV] = str(os.getpid())
+        full_env["GPUFLEET_RUN_DIR"] = str(self.dir)
+        argv = [sys.executable, "-m", "gpufleet.launch.worker", str(self.dir), str(self.rank)]
+        return self._spawn(argv, full_env, os.getcwd())
+
+    def _outcome(self) -> dict[str, Any] | None:
+        if self._outcome_sent:
+            return None
+        outcome = read_outcome(self.run_dir.outcome(self.rank))
+        self._outcome_sent = outcome is not None
+        return outcome
+
+
+class NodeCommand(ChildProcess):
+    """One node of a CLI workload: its bash command in a child process on this node."""
+
+    def __init__(self, run_id: str, node_rank: int) -> None:
+        super().__init__(f"gpufleet-{run_id}-node{node_rank}-")
+
+    def start(self, command: str, env: dict[str, str], cwd: str, files: dict[str, bytes]) -> int:
+        """Run ``bash -c command`` in ``cwd`` with ``env`` on top of this node's environment.
+
+        ``files`` maps environment variable names to file contents: each is written on this
+        node and the variable points at it (the hyperparameters file, for example).
+        """
+        if not os.path.isdir(cwd):
+            raise FileNotFoundError(
+                f"the workload's code folder {cwd} is not on node {socket.gethostname()}: put "
+                "GPUFLEET_HOME (where run folders live) on storage every node mounts"
+            )
+        full_env = dict(os.environ)
+        full_env.update(env)
+        # The run's environment (when this node sees it) and the node's own Python come first,
+        # so `torchrun` and `python` resolve on every node.
+        bins = [env.get("GPUFLEET_SUPERVISOR_BIN", ""), os.path.dirname(sys.executable)]
+        bins = [b for b in bins if b and os.path.isdir(b)]
+        full_env["PATH"] = os.pathsep.join(list(dict.fromkeys(bins)) + [full_env.get("PATH", "")])
+        for name, data in files.items():
+            path = self.dir / name.lower()
+            path.write_bytes(data)
+            full_env[name] = str(path)
+        return self._spawn(["bash", "-c", command], full_env, cwd)

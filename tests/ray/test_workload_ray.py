@@ -1,0 +1,66 @@
+"""A CLI workload across two Ray nodes: ``torchrun --nnodes=2`` once per node."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from gpufleet.workload.store import RunStore
+from tests.workload.helpers import cli, cli_json, wait_no_processes, write_workload
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+TRAIN = textwrap.dedent(
+    """
+    import os, yaml
+    import torch, torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    params = yaml.safe_load(open(os.environ["HYPERPARAMETERS_PATH"]))
+    keys = ["NUM_NODES", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"]
+    env = " ".join(f"{k}={os.environ[k]}" for k in keys)
+    print(f"rank={dist.get_rank()} sum={t.item()} lr={params['lr']} {env}", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+TORCHRUN = (
+    "torchrun --nnodes=$NUM_NODES --node_rank=$NODE_RANK --nproc_per_node=$LOCAL_WORLD_SIZE "
+    "--master_addr=$MASTER_ADDR --master_port=$MASTER_PORT train.py\n"
+)
+
+
+def test_torchrun_once_per_node(two_nodes, tmp_path: Path, monkeypatch, capsys) -> None:
+    home = tmp_path / "home"
+    monkeypatch.setenv("GPUFLEET_HOME", str(home))
+    code = tmp_path / "project"
+    code.mkdir()
+    (code / "train.py").write_text(TRAIN)
+    write_workload(
+        code,
+        experiment_name="two-nodes",
+        compute={"accelerator_type": "CPU_1", "num_accelerators": 2, "cluster": two_nodes.address},
+        code_source={"root_path": "."},
+        command=TORCHRUN,
+        parameters={"lr": 0.25},
+    )
+    rc, out, err = cli(capsys, "run", "-f", str(code / "workload.yaml"), "--watch", "--no-tracking")
+    assert rc == 0, out + err
+    run_id = out.splitlines()[0]
+    assert "rank=0 sum=3.0 lr=0.25 NUM_NODES=2 NODE_RANK=0 WORLD_SIZE=2 LOCAL_WORLD_SIZE=1" in out
+    assert "rank=1 sum=3.0 lr=0.25 NUM_NODES=2 NODE_RANK=1 WORLD_SIZE=2 LOCAL_WORLD_SIZE=1" in out
+
+    run = cli_json(capsys, "get", run_id)
+    assert run["state"] == "SUCCESS"
+    nodes = run["attempts"][0]["nodes"]
+    assert [n["node_rank"] for n in nodes] == [0, 1]
+    assert nodes[0]["ray_node_id"] != nodes[1]["ray_node_id"]
+    logs = cli_json(capsys, "logs", run_id, "--node", "1")
+    assert any("NODE_RANK=1" in line for line in logs["logs"][0]["lines"])
+    assert wait_no_processes(run_id) == []
+    store = RunStore(home)
+    assert store.get(run_id).state == "SUCCESS"
