@@ -85,6 +85,34 @@ def test_rank_exception_keeps_its_type(two_nodes, tmp_path):
     assert "_rank_one_raises" in str(info.value.__cause__)
 
 
+def test_cancel_and_timeout_stop_ranks_and_release_the_placement_group(two_nodes, tmp_path):
+    from ray.util.placement_group import placement_group_table
+
+    f = distributed(
+        _sleep_long, gpus=2, gpu_type="cpu", remote=two_nodes.address,
+        runs_dir=str(tmp_path), grace_period_s=1.0, timeout=200,
+    )
+    handle = f.submit()
+    deadline = time.monotonic() + 90
+    while len(run_processes(handle.run_id)) < 2 * 2:
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.5)
+    handle.cancel()
+    with pytest.raises(errors.RunCanceledError):
+        handle.result(timeout=60)
+    assert handle.status == "CANCELED"
+
+    with pytest.raises(errors.DistributedTimeoutError, match="timeout of 8 s"):
+        f.with_overrides(timeout=8).distributed()
+
+    deadline = time.monotonic() + 30
+    while run_processes(handle.run_id) or any(
+        pg["state"] != "REMOVED" for pg in placement_group_table().values()
+    ):
+        assert time.monotonic() < deadline, placement_group_table()
+        time.sleep(0.5)
+
+
 def test_lost_node_fails_clearly_and_leaves_nothing(two_nodes, tmp_path):
     f = distributed(
         _sleep_long, gpus=2, gpu_type="cpu", remote=two_nodes.address,
