@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Run every main-environment recipe on 2 GPUs for ~30-60 s each with random-initialised weights
+# Run every recipe on 2 GPUs for ~30-60 s each with random-initialised weights
 # of the real architectures (nothing is downloaded), printing throughput and peak memory.
 #
 #   bash recipes/run_gpu_smoke.sh [OUT_DIR]        # about 6-8 minutes on 2 x H200
+#   VISION_PYTHON=... AXOLOTL_PYTHON=... bash recipes/run_gpu_smoke.sh   # + RetinaNet, Unsloth, Axolotl (~4 min)
 #
 # Needs: torch (CUDA), transformers, trl, peft, accelerate, datasets, deepspeed, lightning, ray,
 # nbclient, ipykernel, and gpufleet installed (pip install -e .).
@@ -74,4 +75,21 @@ wl trl-zero3-qwen3-8b-invoices parameters.model="$out/qwen3-1b" parameters.raw_i
   parameters.max_length=1024 parameters.eval_steps=1000 parameters.logging_steps=5
 wl ray-train-qwen25-3b-sft parameters.model="$out/qwen2-1b" parameters.train_file="$out/chat.jsonl" \
   parameters.output_dir="$out/ray-qwen" parameters.max_steps=30 parameters.max_length=1024
+
+# Recipes of the separate environments. Each runs with the interpreter named below (default: the
+# one above) and is skipped, with the reason, when that interpreter lacks the framework.
+has() { "$1" -c "import $2" >/dev/null 2>&1; }
+vision_py="${VISION_PYTHON:-$py}"     # torchvision + pycocotools (+ unsloth for the Unsloth recipe)
+axolotl_py="${AXOLOTL_PYTHON:-$py}"   # axolotl 0.19.0 + bitsandbytes (CUDA)
+if has "$vision_py" "torchvision, pycocotools"; then
+  "$vision_py" -c "import sys; sys.path.insert(0, '.'); from _smoke import make_coco_folder; make_coco_folder(sys.argv[1], num_images=512, size=640, num_categories=8)" "$out/coco"
+  py="$vision_py" nb pytorch-ddp-retinanet DATA="$out/coco" IMAGE_SIZE=640 BATCH_SIZE=16 MAX_STEPS=40 NUM_WORKERS=6
+else echo "== pytorch-ddp-retinanet skipped: $vision_py lacks torchvision or pycocotools (pip install pycocotools==2.0.11)"; fi
+if has "$vision_py" unsloth; then  # the Llama-3.2-1B-like model above; MODEL=<a 3B Llama folder> for the real size
+  py="$vision_py" nb unsloth-lora-sft-ddp MODEL="$out/llama-1b" DATA="$out/chat.jsonl" MAX_STEPS=30 BATCH_SIZE=8 MAX_LENGTH=1024
+else echo "== unsloth-lora-sft-ddp skipped: $vision_py lacks unsloth (recipes/envs/vision.txt; VISION_PYTHON=...)"; fi
+if has "$axolotl_py" "axolotl, bitsandbytes"; then  # a 1.5B OLMo-2 in 4-bit (QLoRA); MODEL=<OLMo-2 7B folder> for the real size
+  "$axolotl_py" -c "import sys; sys.path.insert(0, '.'); from _smoke import make_tiny_causal_lm; make_tiny_causal_lm('olmo2', sys.argv[1], hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096)" "$out/olmo2-1b"
+  py="$axolotl_py" nb axolotl-qlora-ddp MODEL="$out/olmo2-1b" DATA="$out/chat.jsonl" MAX_STEPS=30 MICRO_BATCH_SIZE=8 SEQUENCE_LEN=1024
+else echo "== axolotl-qlora-ddp skipped: $axolotl_py lacks axolotl or bitsandbytes (recipes/envs/axolotl.txt; AXOLOTL_PYTHON=...)"; fi
 echo "== done; logs and executed notebooks in $out"
