@@ -204,11 +204,19 @@ class CheckpointManager:
             return None
         # Synchronous staging: save() returns once the state is copied, so training may change
         # the weights right away; the files are written in the background.
-        return DefaultStager(
+        stager = DefaultStager(
             StagingOptions(
                 use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
             )
         )
+        # torch 2.11's state-dict stager has no copier for classes and raises KeyError(type)
+        # when a state dict holds one; later releases copy classes as atomic values.
+        dispatch = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+        if isinstance(dispatch, dict) and type not in dispatch:
+            import copy
+
+            dispatch[type] = copy._deepcopy_atomic  # type: ignore[attr-defined]
+        return stager
 
     # -- queries --------------------------------------------------------------------------
     def checkpoints(self) -> list[layout.CheckpointInfo]:
