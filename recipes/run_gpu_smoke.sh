@@ -88,7 +88,7 @@ else echo "== pytorch-ddp-retinanet skipped: $vision_py lacks torchvision or pyc
 if has "$vision_py" unsloth; then  # the Llama-3.2-1B-like model above; MODEL=<a 3B Llama folder> for the real size
   py="$vision_py" nb unsloth-lora-sft-ddp MODEL="$out/llama-1b" DATA="$out/chat.jsonl" MAX_STEPS=30 BATCH_SIZE=8 MAX_LENGTH=1024
 else echo "== unsloth-lora-sft-ddp skipped: $vision_py lacks unsloth (recipes/envs/vision.txt; VISION_PYTHON=...)"; fi
-if has "$axolotl_py" "axolotl, bitsandbytes"; then  # a 1.5B OLMo-2 in 4-bit (QLoRA); MODEL=<OLMo-2 7B folder> for the real size
+if has "$axolotl_py" "axolotl, bitsandbytes"; then  # a 1.1B OLMo-2 in 4-bit (QLoRA); MODEL=<OLMo-2 7B folder> for the real size
   "$axolotl_py" -c "import sys; sys.path.insert(0, '.'); from _smoke import make_tiny_causal_lm; make_tiny_causal_lm('olmo2', sys.argv[1], hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096)" "$out/olmo2-1b"
   py="$axolotl_py" nb axolotl-qlora-ddp MODEL="$out/olmo2-1b" DATA="$out/chat.jsonl" MAX_STEPS=30 MICRO_BATCH_SIZE=8 SEQUENCE_LEN=1024
 else echo "== axolotl-qlora-ddp skipped: $axolotl_py lacks axolotl or bitsandbytes (recipes/envs/axolotl.txt; AXOLOTL_PYTHON=...)"; fi
