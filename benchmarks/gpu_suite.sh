@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements recorded in docs/benchmarks.md, in the order they were run.
-#   benchmarks/gpu_suite.sh OUTDIR launch|strategies|recipes
+#   benchmarks/gpu_suite.sh OUTDIR launch|strategies|checkpoint|recipes
 # Needs a machine with 2+ NVIDIA GPUs and gpufleet importable (PYTHONPATH=src works).
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_suite.sh OUTDIR PART}
-part=${2:?PART: launch, strategies or recipes}
+part=${2:?PART: launch, strategies, checkpoint or recipes}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 GPUFLEET_HOME=${GPUFLEET_HOME:-/tmp/gpufleet-home}
@@ -19,7 +19,9 @@ case "$part" in
     step mlp recipe; $py recipes/pytorch-ddp-mlp/train.py --epochs 40 2>&1 | tail -4
     step launch latency; $py benchmarks/launch_latency.py --gpus 2 --rounds 3 --json "$out/launch_latency.json"
     step data wait; timeout 120 $py benchmarks/data_wait.py 2>&1 | tail -20
-    step checkpoint; timeout 300 $py benchmarks/checkpoint.py --gpus 2 --saves 1 --dir /tmp/ckpt-bench --json "$out/checkpoint.json" 2>&1 | tail -25
+    ;;
+  checkpoint)
+    step checkpoint; timeout 420 $py benchmarks/checkpoint.py --gpus 2 --saves 1 --dir /tmp/ckpt-bench --json "$out/checkpoint.json" > "$out/checkpoint.log" 2>&1; tail -25 "$out/checkpoint.log"
     ;;
   strategies)
     step strategies; timeout 560 $py benchmarks/strategies.py --gpus 2 --json "$out/strategies.json" 2>&1 | tail -40
