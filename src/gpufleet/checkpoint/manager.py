@@ -209,14 +209,20 @@ class CheckpointManager:
                 use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
             )
         )
-        # torch 2.11's state-dict stager has no copier for classes and raises KeyError(type)
-        # when a state dict holds one; later releases copy classes as atomic values.
-        dispatch = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
-        if isinstance(dispatch, dict) and type not in dispatch:
-            import copy
-
-            dispatch[type] = copy._deepcopy_atomic  # type: ignore[attr-defined]
         return stager
+
+    def _usable_stager(self) -> Any:
+        """The pinned stager, made anew if the last ``async_save`` closed it.
+
+        torch 2.11's ``async_save`` closes the stager it is given once the save is done; a
+        closed stager has lost its copy table and fails with ``KeyError: <class 'type'>``.
+        Later releases leave a caller's stager open, so its pinned buffers are reused.
+        """
+        inner = getattr(self._stager, "_state_dict_stager", None)
+        dispatch = getattr(inner, "_deepcopy_dispatch", None)
+        if self._stager is not None and isinstance(dispatch, dict) and not dispatch:
+            self._stager = self._make_stager(True)
+        return self._stager
 
     # -- queries --------------------------------------------------------------------------
     def checkpoints(self) -> list[layout.CheckpointInfo]:
@@ -320,7 +326,7 @@ class CheckpointManager:
                     state,
                     checkpoint_id=str(path),
                     process_group=self._pg,
-                    async_stager=self._stager,
+                    async_stager=self._usable_stager(),
                     no_dist=not self._dist_on,
                 )
             future = getattr(response, "upload_completion", response)
