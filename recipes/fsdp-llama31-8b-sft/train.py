@@ -6,9 +6,12 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    from trl import SFTConfig
 
 
 def load_parameters() -> dict[str, Any]:
@@ -17,20 +20,25 @@ def load_parameters() -> dict[str, Any]:
     return (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
 
 
-def main() -> None:
-    """Load model and chat data, shard with FSDP, train, save; rank 0 prints a RESULT line."""
-    import torch
-    from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import SFTConfig, SFTTrainer
+def sft_config(p: dict[str, Any], output_dir: str, layer_classes: list[str], cuda: bool) -> SFTConfig:
+    """Build the SFTConfig: FSDP per decoder layer, activation checkpointing through ``fsdp_config`` only.
 
-    p = load_parameters()
-    cuda = torch.cuda.is_available()
-    tokenizer = AutoTokenizer.from_pretrained(p["model"])
-    model = AutoModelForCausalLM.from_pretrained(p["model"], dtype=torch.bfloat16 if cuda else torch.float32)
-    dataset = load_dataset("json", data_files=p["train_file"], split="train")
-    output_dir = p.get("output_dir") or os.path.join(os.environ.get("GPUFLEET_CHECKPOINT_DIR", "."), "sft")
-    args = SFTConfig(
+    Transformers refuses ``gradient_checkpointing`` (on by default in ``SFTConfig``) together with FSDP's
+    ``activation_checkpointing``; under FSDP the latter is the one to use (no extra all-gather in backward),
+    so ``gradient_checkpointing`` is always off here.
+
+    Args:
+        p: The workload's parameters.
+        output_dir: Where checkpoints and the final model go.
+        layer_classes: Class names of the decoder layers FSDP wraps (``model._no_split_modules``).
+        cuda: Whether training runs on GPUs (bf16, FSDP, activation checkpointing) or on CPU workers.
+
+    Returns:
+        The ``trl.SFTConfig`` the trainer runs with.
+    """
+    from trl import SFTConfig
+
+    return SFTConfig(
         output_dir=output_dir,
         max_steps=int(p.get("max_steps", 100)),
         per_device_train_batch_size=int(p.get("per_device_batch_size", 1)),
@@ -41,10 +49,11 @@ def main() -> None:
         max_length=int(p.get("max_length", 2048)),
         bf16=cuda,
         use_cpu=not cuda,
+        gradient_checkpointing=False,  # FSDP's activation_checkpointing below does it (on GPUs)
         fsdp=True,  # sharding on GPUs; Accelerate runs plain DDP on CPU workers
         fsdp_config={
             "version": int(p.get("fsdp_version", 2)),
-            "transformer_layer_cls_to_wrap": list(model._no_split_modules),
+            "transformer_layer_cls_to_wrap": layer_classes,
             "activation_checkpointing": bool(p.get("activation_checkpointing", cuda)) and cuda,
             "state_dict_type": "SHARDED_STATE_DICT",
             "reshard_after_forward": True,
@@ -55,6 +64,22 @@ def main() -> None:
         save_total_limit=2,
         report_to=p.get("report_to", "mlflow" if os.environ.get("MLFLOW_RUN_ID") else "none"),
     )
+
+
+def main() -> None:
+    """Load model and chat data, shard with FSDP, train, save; rank 0 prints a RESULT line."""
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTTrainer
+
+    p = load_parameters()
+    cuda = torch.cuda.is_available()
+    tokenizer = AutoTokenizer.from_pretrained(p["model"])
+    model = AutoModelForCausalLM.from_pretrained(p["model"], dtype=torch.bfloat16 if cuda else torch.float32)
+    dataset = load_dataset("json", data_files=p["train_file"], split="train")
+    output_dir = p.get("output_dir") or os.path.join(os.environ.get("GPUFLEET_CHECKPOINT_DIR", "."), "sft")
+    args = sft_config(p, output_dir, list(model._no_split_modules), cuda)
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     resume = any(Path(output_dir).glob("checkpoint-*"))  # a retried attempt continues its run
     started = time.perf_counter()
