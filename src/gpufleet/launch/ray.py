@@ -21,34 +21,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from ..errors import (
-    EXCEPTION,
-    EXIT,
-    NO_RESULT,
-    SIGNAL,
-    STOPPED,
-    DistributedTimeoutError,
-    LaunchConfigError,
-    RankFailure,
-    RunCanceledError,
-    WorkerExitError,
-    WorkerGroupError,
-    WorkerSignalError,
-)
+from ..errors import LaunchConfigError, RankFailure, WorkerGroupError
 from ..results import ERROR, OK, RunDir, new_run_id, tail
-from .local import (
-    _SECONDARY,
-    _SECONDARY_TYPES,
-    CANCELED,
+from .outcomes import (
     FAILED,
     PENDING,
     RUNNING,
     SUCCESS,
-    TERMINAL_STATES,
-    TIMEDOUT,
     LogConfig,
-    _as_original_exception,
-    _signal_name,
+    RankGroupRun,
+    echo_line,
 )
 
 if TYPE_CHECKING:
@@ -232,43 +214,37 @@ class _RankLog:
     def write(self, lines: list[tuple[bool, bytes]], dropped: int = 0) -> None:
         if dropped:
             lines = [(True, f"[gpufleet: {dropped} lines of output were dropped]\n".encode())] + lines
-        prefix = f"[rank {self.rank}] "
         for is_stderr, line in lines:
             if self._file.closed:
                 return
             self._file.write(line)
-            if self._logs.shows(self.rank, is_stderr):
-                text = line.decode("utf-8", "replace")
-                sink = self._err if is_stderr else self._out
-                try:
-                    sink.write(prefix + text if text.endswith("\n") else prefix + text + "\n")
-                    sink.flush()
-                except Exception:  # the caller's stream closed: the log file still has it
-                    pass
+            echo_line(self._logs, self.rank, is_stderr, line, self._out, self._err)
 
     def close(self) -> None:
         self._file.close()
 
 
-class RayRun:
+class RayRun(RankGroupRun):
     """One group of ranks on a Ray cluster, started by :func:`start_ray_run`."""
 
     _POLL_WAIT_S = 0.5
     _UNREACHABLE_GRACE_S = 60.0
     _SCHEDULE_LOG_S = 30.0
+    _KIND_HEADLINES = {LOST: "a rank's Ray actor or node was lost; every other rank was stopped"}
 
     def __init__(self, opts: LaunchOptions, address: str, call_bytes: bytes, name: str, attempt: int) -> None:
+        super().__init__(opts.timeout, opts.grace_period_s)
         self.opts = opts
         self.address = address
         self.attempt = attempt
         self.run_id = new_run_id(name)
         self.run_dir = RunDir.create(opts.runs_dir, self.run_id)
-        self.status = PENDING
         self.logs_config = LogConfig(enabled=opts.stream_logs, full_ranks=opts.log_ranks, stderr=opts.stream_stderr)
         self.master_addr = ""
         self.master_port = 0
         self.node_ranks: list[int] = []
         self.node_ids: list[str] = []
+        self._env = dict(opts.env)
         self._call_bytes = call_bytes
         self._ray: Any = None
         self._pg: Any = None
@@ -276,18 +252,23 @@ class RayRun:
         self._rank_logs: list[_RankLog] = []
         self._num_ranks = 0
         self._use_gpus = False
-        self._failures: dict[int, RankFailure] = {}
-        self._done: dict[int, dict[str, Any]] = {}
         self._outcomes: dict[int, dict[str, Any]] = {}
         self._unreachable_since: dict[int, float] = {}
-        self._stop_reason: str | None = None
-        self._cancel_grace: float | None = None
-        self._lock = threading.Lock()
-        self._finished = threading.Event()
-        self._watching = False
-        self._result: list[Any] | None = None
-        self._error: BaseException | None = None
         self._started = time.monotonic()
+
+    @property
+    def num_ranks(self) -> int:
+        """How many ranks the run has (known once :meth:`start` has checked the cluster)."""
+        return self._num_ranks
+
+    @property
+    def num_nodes(self) -> int | None:
+        """How many Ray nodes the ranks were placed on; None until they are placed."""
+        return len(set(self.node_ids)) if self.node_ids else None
+
+    def add_env(self, env: dict[str, str]) -> None:
+        """Add ``env`` to every rank's environment; only before the ranks start in :meth:`wait`."""
+        self._env.update(env)
 
     # -- starting -------------------------------------------------------------------------
     def start(self) -> RayRun:
@@ -370,7 +351,7 @@ class RayRun:
         starts = []
         for rank, (_, node_id, node_rank, local_rank, local_world) in enumerate(layout):
             env = {
-                **self.opts.env,
+                **self._env,
                 "RANK": str(rank),
                 "LOCAL_RANK": str(local_rank),
                 "WORLD_SIZE": str(self._num_ranks),
@@ -387,7 +368,7 @@ class RayRun:
                 "GPUFLEET_RUN_ID": self.run_id,
                 "GPUFLEET_ATTEMPT": str(self.attempt),
                 "GPUFLEET_RAY_NODE_ID": node_id,
-                "OMP_NUM_THREADS": self.opts.env.get("OMP_NUM_THREADS", "1"),
+                "OMP_NUM_THREADS": self._env.get("OMP_NUM_THREADS", "1"),
             }
             if not self._use_gpus:
                 env["CUDA_VISIBLE_DEVICES"] = ""
@@ -410,36 +391,24 @@ class RayRun:
         return deadline is not None and time.monotonic() > deadline
 
     # -- watching -------------------------------------------------------------------------
-    def wait(self) -> list[Any]:
-        """Watch the ranks until the end; results in global-rank order, or raise."""
-        if self._finished.is_set():
-            return self._outcome()
-        self._watching = True
+    def _watch(self) -> None:
+        """Start the ranks once their bundles are free, then watch them until the end."""
         try:
             if self._schedule():
-                self._watch()
+                self._watch_ranks()
             elif self._stop_reason is not None:
                 self._finish_canceled()
             else:
                 self._finish_timeout()
         except KeyboardInterrupt:
-            self._stop_reason = self._stop_reason or "interrupted (KeyboardInterrupt)"
-            print(f"gpufleet: interrupted; stopping all ranks of run {self.run_id}", file=sys.stderr)
-            try:
-                self._stop(self._stop_reason, min(2.0, self.opts.grace_period_s))
-            finally:
-                self._finalize(CANCELED, RunCanceledError, "the run was interrupted; every rank was stopped")
             raise
         except BaseException as e:
             if not self._finished.is_set():
                 self._stop(f"stopped because the launcher failed: {e}", 1.0)
                 self._finalize(FAILED, WorkerGroupError, f"the Ray launcher failed: {type(e).__name__}: {e}")
             raise
-        finally:
-            self._watching = False
-        return self._outcome()
 
-    def _watch(self) -> None:
+    def _watch_ranks(self) -> None:
         ray = self._ray
         polls: dict[Any, int] = {}
 
@@ -454,9 +423,7 @@ class RayRun:
                 self._finish_canceled()
                 return
             if self._failures:
-                first = min(self._failures.values(), key=lambda f: f.time)
-                self._stop(f"stopped by gpufleet after rank {first.rank} failed", self.opts.grace_period_s)
-                self._finalize(FAILED)
+                self._finish_failed()
                 return
             if len(self._done) == self._num_ranks:
                 self._stop("finished", 0.0)
@@ -493,17 +460,15 @@ class RayRun:
         if report["outcome"] is not None:
             self._outcomes[rank] = report["outcome"]
         rec = self._outcomes.get(rank)
-        if rank in self._failures or rank in self._done:
+        if self._known(rank):
             return "known"
         if rec is not None and rec["status"] == ERROR:
-            self._failures[rank] = self._failure_from_outcome(rank, rec)
-            return ERROR
+            return self._take_outcome(rank, rec)
         code = report["exit_code"]
         if code is None:
             return None
         if rec is not None and rec["status"] == OK:
-            self._done[rank] = rec
-            return OK
+            return self._take_outcome(rank, rec)
         self._failures[rank] = self._failure_from_exit(rank, code)
         return ERROR
 
@@ -513,36 +478,8 @@ class RayRun:
         if report["outcome"] is not None:
             self._outcomes[rank] = report["outcome"]
         rec = self._outcomes.get(rank)
-        if rank in self._failures or rank in self._done or rec is None:
-            return
-        if rec["status"] == ERROR:
-            self._failures[rank] = self._failure_from_outcome(rank, rec)
-        else:
-            self._done[rank] = rec
-
-    def _failure_from_outcome(self, rank: int, rec: dict[str, Any]) -> RankFailure:
-        msg = rec.get("message", "")
-        exc_type = rec.get("exc_type", "Exception")
-        return RankFailure(
-            rank=rank,
-            kind=EXCEPTION,
-            time=rec.get("time", time.time()),
-            exc_type=exc_type,
-            message=msg,
-            traceback=rec.get("traceback", ""),
-            log_path=str(self.run_dir.log(rank)),
-            secondary=exc_type in _SECONDARY_TYPES or bool(_SECONDARY.search(msg)),
-            exc_bytes=rec.get("exc_bytes"),
-        )
-
-    def _failure_from_exit(self, rank: int, code: int) -> RankFailure:
-        log = self.run_dir.log(rank)
-        common = {"rank": rank, "time": time.time(), "log_path": str(log), "log_tail": tail(log)}
-        if code < 0:
-            return RankFailure(kind=SIGNAL, exit_code=code, signal_name=_signal_name(-code), **common)
-        if code == 0:
-            return RankFailure(kind=NO_RESULT, exit_code=0, **common)
-        return RankFailure(kind=EXIT, exit_code=code, **common)
+        if not self._known(rank):
+            self._take_outcome(rank, rec)
 
     def _node_alive(self, rank: int) -> bool:
         node = self.node_ids[rank] if rank < len(self.node_ids) else None
@@ -603,13 +540,8 @@ class RayRun:
         finally:
             self._release()
             for rank in range(self._num_ranks):
-                if rank in self._done or rank in self._failures:
-                    continue
-                log = self.run_dir.log(rank)
-                self._failures[rank] = RankFailure(
-                    rank=rank, kind=STOPPED, time=t_stop, message=reason,
-                    log_path=str(log), log_tail=tail(log),
-                )
+                if not self._known(rank):
+                    self._mark_stopped(rank, reason, t_stop)
 
     def _release(self) -> None:
         """Kill every actor and remove the placement group (safe to call twice)."""
@@ -631,103 +563,17 @@ class RayRun:
             except Exception:  # noqa: BLE001 - the cluster may be gone
                 logger.warning("run %s: could not remove its placement group", self.run_id)
 
-    def cancel(self, reason: str = "canceled by the user", grace_period_s: float | None = None) -> None:
-        """Ask the run to stop every rank; ``wait()`` then raises :class:`RunCanceledError`."""
-        with self._lock:
-            if self.status in TERMINAL_STATES or self._stop_reason:
-                return
-            self._stop_reason = reason
-            self._cancel_grace = grace_period_s
-        if not self._watching:
-            self._finish_canceled()
-
-    def _finish_canceled(self) -> None:
-        grace = self._cancel_grace if self._cancel_grace is not None else self.opts.grace_period_s
-        reason = self._stop_reason or "canceled"
-        self._stop(reason, grace)
-        self._finalize(CANCELED, RunCanceledError, f"the run was canceled ({reason}); every rank was stopped")
-
-    def _finish_timeout(self) -> None:
-        timeout = self.opts.timeout
-        self._stop(
-            f"still running at the timeout of {timeout:g} s (its stack at that moment is at the end of its log)",
-            self.opts.grace_period_s,
-            dump_stacks=True,
-        )
-        self._finalize(
-            TIMEDOUT,
-            DistributedTimeoutError,
-            f"the call ran past its timeout of {timeout:g} s; every rank was stopped",
-        )
-
     # -- finishing ------------------------------------------------------------------------
-    def _finalize(self, status: str, error_cls: type[WorkerGroupError] | None = None, headline: str = "") -> None:
-        with self._lock:
-            if self._finished.is_set():
-                return
-            for log in self._rank_logs:
-                log.close()
-            _active.discard(self)
-            if status == SUCCESS:
-                try:
-                    self._result = self._load_values()
-                except WorkerGroupError as e:
-                    status, self._error = FAILED, e
-            else:
-                self._error = self._build_error(status, error_cls, headline)
-            self.status = status
-            self._finished.set()
-
-    def _load_values(self) -> list[Any]:
-        import cloudpickle
-
-        values = []
-        for rank in range(self._num_ranks):
-            rec = self._done[rank]
-            try:
-                values.append(cloudpickle.loads(rec["value"]))
-            except Exception as e:
-                failure = RankFailure(
-                    rank=rank, kind=EXCEPTION, time=rec["time"], exc_type=type(e).__name__,
-                    message=f"rank {rank}'s return value could not be unpickled in the caller: {e}",
-                    log_path=str(self.run_dir.log(rank)),
-                )
-                raise WorkerGroupError({rank: failure}, self._num_ranks, str(self.run_dir.path)) from e
-        return values
-
-    def _build_error(self, status: str, error_cls: type[WorkerGroupError] | None, headline: str) -> BaseException:
-        n = self._num_ranks
-        if error_cls is None:
-            probe = WorkerGroupError(self._failures, n)
-            kind = probe.root_cause.kind if probe.root_cause else EXCEPTION
-            error_cls = {SIGNAL: WorkerSignalError, EXIT: WorkerExitError, NO_RESULT: WorkerExitError}.get(
-                kind, WorkerGroupError
-            )
-            if kind == LOST:
-                headline = "a rank's Ray actor or node was lost; every other rank was stopped"
-        group = error_cls(self._failures, n, str(self.run_dir.path), headline)
-        if status == FAILED:
-            return _as_original_exception(group)
-        return group
-
-    def _outcome(self) -> list[Any]:
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
+    def _close(self, status: str) -> None:
+        for log in self._rank_logs:
+            log.close()
+        _active.discard(self)
 
     # -- inspection -----------------------------------------------------------------------
     @property
     def pids(self) -> list[int]:
         """Empty: the ranks' processes live on the cluster's nodes, not on this machine."""
         return []
-
-    def logs(self, rank: int = 0) -> str:
-        """Everything rank ``rank`` has printed so far (stdout and stderr)."""
-        if not 0 <= rank < self._num_ranks:
-            raise ValueError(f"rank must be in 0..{self._num_ranks - 1}, got {rank}")
-        path = self.run_dir.log(rank)
-        return path.read_text("utf-8", "replace") if path.exists() else ""
 
 
 def start_ray_run(opts: LaunchOptions, address: str, call_bytes: bytes, name: str, attempt: int) -> RayRun:

@@ -18,12 +18,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import IO, Any
 
 from ..results import RunDir, read_outcome
 from .ports import find_free_port
+from .proctree import popen_in_own_group, stop_process_tree
 from .worker import PARENT_PID_ENV
 
 # Lines kept between two polls; beyond this the oldest are dropped (the caller is told).
@@ -31,30 +31,18 @@ _MAX_PENDING_LINES = 100_000
 
 
 def _stop_tree(proc: subprocess.Popen[bytes], grace_period_s: float) -> None:
-    """Stop the worker's process group and every descendant: TERM, grace period, KILL."""
+    """Stop the worker's process group and every descendant: TERM, grace period, KILL.
+
+    Descendants are taken once, before the first signal: other ranks of the same run may
+    share this node, so the run's id cannot tell this rank's processes from theirs.
+    """
     import psutil
 
     try:
         family = psutil.Process(proc.pid).children(recursive=True)
     except psutil.Error:
         family = []
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for p in family:  # children that left the group with setsid
-            try:
-                p.send_signal(sig)
-            except psutil.Error:
-                pass
-        deadline = time.monotonic() + (grace_period_s if sig == signal.SIGTERM else 5.0)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None and not any(
-                p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family
-            ):
-                return
-            time.sleep(0.05)
+    stop_process_tree([proc], grace_period_s, lambda: family, poll_s=0.05)
 
 
 class ChildProcess:
@@ -84,16 +72,7 @@ class ChildProcess:
         return find_free_port("0.0.0.0")
 
     def _spawn(self, argv: list[str], env: dict[str, str], cwd: str) -> int:
-        self._proc = subprocess.Popen(
-            argv,
-            env=env,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # own process group: teardown reaches grandchildren
-            close_fds=True,
-        )
+        self._proc = popen_in_own_group(argv, env, cwd)
         for pipe, is_stderr in ((self._proc.stdout, False), (self._proc.stderr, True)):
             t = threading.Thread(target=self._pump, args=(pipe, is_stderr), daemon=True)
             t.start()
