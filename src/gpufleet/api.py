@@ -312,12 +312,24 @@ class DistributedFunction:
         call_bytes = self._pickle_call(args, kwargs)
         name = opts.name or getattr(self.func, "__name__", "run")
         if remote:
-            from .launch.ray import start_ray_run
+            from .launch.ray import RayRun
+            from .tracking import tracking_enabled
 
-            return _Execution(
-                lambda attempt: start_ray_run(opts, str(remote), call_bytes, name, attempt),
-                opts.max_retries,
-            )
+            track_remote = opts.tracking and tracking_enabled()
+
+            def start_remote_attempt(attempt: int) -> Any:
+                run = RayRun(opts, str(remote), call_bytes, name, attempt)
+                if track_remote:  # one MLflow run per attempt; MLflow is imported only here
+                    from .tracking.launch import start_tracked_attempt
+
+                    return start_tracked_attempt(
+                        run, launcher="ray", function_name=getattr(self.func, "__qualname__", name),
+                        gpus=opts.gpus, gpu_type=opts.gpu_type, experiment_name=opts.experiment_name,
+                        attempt=attempt, max_retries=opts.max_retries, timeout=opts.timeout,
+                    )
+                return run.start()
+
+            return _Execution(start_remote_attempt, opts.max_retries)
 
         from .launch.gpus import resolve_local
         from .launch.local import LocalLaunchSpec, LocalRun, LogConfig

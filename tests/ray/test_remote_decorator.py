@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 
 import pytest
 
@@ -69,6 +70,41 @@ def test_two_nodes_one_worker_each(two_nodes, tmp_path):
     assert results[0]["node_id"] != results[1]["node_id"]
     assert "hello from rank 1" in handle.logs(1)
     assert handle.status == "SUCCESS"
+
+
+def _mlflow_env() -> dict[str, str | None]:
+    import os
+
+    print(f"tracked rank {os.environ['RANK']}", flush=True)
+    return {k: os.environ.get(k) for k in ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI")}
+
+
+def test_remote_call_is_tracked_in_mlflow(two_nodes, tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.delenv("GPUFLEET_TRACKING", raising=False)
+    experiment = f"ray-{uuid.uuid4().hex[:10]}"
+    f = distributed(
+        _mlflow_env, gpus=2, gpu_type="cpu", remote=two_nodes.address,
+        runs_dir=str(tmp_path), experiment_name=experiment, stream_logs=False, timeout=120,
+    )
+    handle = f.submit()
+    envs = handle.result(timeout=150)
+    run_id = handle.mlflow_run_id
+    assert run_id and [e["MLFLOW_RUN_ID"] for e in envs] == [run_id, run_id]
+    assert envs[0]["MLFLOW_TRACKING_URI"] == os.environ["MLFLOW_TRACKING_URI"]
+
+    client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None, f"no MLflow experiment {experiment!r}"
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.run_id == run_id and run.info.run_name == handle.run_id
+    assert run.info.status == "FINISHED" and run.data.tags["gpufleet.status"] == "SUCCESS"
+    assert run.data.tags["gpufleet.launcher"] == "ray"
+    assert run.data.params["gpufleet.world_size"] == "2" and run.data.params["gpufleet.num_nodes"] == "2"
+    logs = sorted(a.path for a in client.list_artifacts(run_id, "logs"))
+    assert logs == ["logs/rank-0.log", "logs/rank-1.log"]
+    text = (client.download_artifacts(run_id, "logs/rank-1.log", str(tmp_path / "dl")))
+    assert "tracked rank 1" in open(text).read()
 
 
 def test_rank_exception_keeps_its_type(two_nodes, tmp_path):

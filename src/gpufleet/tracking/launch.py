@@ -1,8 +1,10 @@
-"""Tracking for ``@distributed`` calls: one MLflow run per local attempt.
+"""Tracking for ``@distributed`` calls: one MLflow run per attempt, local or on Ray.
 
-:func:`start_tracked_local_run` opens the MLflow run, puts its id into every rank's
-environment, starts the ranks, and returns the launched run wrapped so that, when the
-attempt ends, the per-rank logs are uploaded and the final status is set.
+:func:`start_tracked_attempt` opens the MLflow run, puts its id into every rank's
+environment, starts the run, and returns it wrapped so that, when the attempt ends, the
+per-rank logs are uploaded and the final status is set. It takes either launcher's run
+(:class:`~gpufleet.launch.local.LocalRun` or :class:`~gpufleet.launch.ray.RayRun`): both
+take extra rank environment with ``add_env`` before their ranks start.
 """
 
 from __future__ import annotations
@@ -13,17 +15,20 @@ from typing import Any
 
 from .runs import TrackedRun, start_tracked_run
 
+_TERMINAL = ("SUCCESS", "FAILED", "CANCELED", "TIMEDOUT")
 
-class TrackedLocalRun:
-    """A launched local run and its MLflow run; behaves like the run it wraps.
+
+class TrackedAttempt:
+    """A launched run (local or Ray) and its MLflow run; behaves like the run it wraps.
 
     Attributes:
         tracked: the :class:`~gpufleet.tracking.TrackedRun` of this attempt.
     """
 
-    def __init__(self, run: Any, tracked: TrackedRun) -> None:
+    def __init__(self, run: Any, tracked: TrackedRun, *, log_num_nodes: bool = False) -> None:
         self._run = run
         self.tracked = tracked
+        self._log_num_nodes = log_num_nodes
         self._finish_lock = threading.Lock()
         self._finished = False
 
@@ -51,7 +56,9 @@ class TrackedLocalRun:
                 return
             self._finished = True
         run = self._run
-        status = run.status if run.status in ("SUCCESS", "FAILED", "CANCELED", "TIMEDOUT") else "FAILED"
+        status = run.status if run.status in _TERMINAL else "FAILED"
+        if self._log_num_nodes and run.num_nodes is not None:  # Ray: known once the ranks were placed
+            self.tracked.log_params({"gpufleet.num_nodes": run.num_nodes})
         self.tracked.log_artifacts(sorted(run.run_dir.path.glob("rank-*.log")), "logs")
         if error is not None and status in ("FAILED", "TIMEDOUT"):  # root cause, remote traceback, other ranks
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
@@ -59,42 +66,66 @@ class TrackedLocalRun:
         self.tracked.end(status)
 
 
-def start_tracked_local_run(
-    run: Any, *, function_name: str, gpus: int | None, gpu_type: str | None,
+TrackedLocalRun = TrackedAttempt  # the name it had while only local runs were tracked
+
+
+def start_tracked_attempt(
+    run: Any, *, launcher: str, function_name: str, gpus: int | None, gpu_type: str | None,
     experiment_name: str | None, attempt: int, max_retries: int, timeout: float | None,
 ) -> Any:
-    """Open an MLflow run for a not yet started ``LocalRun``, start the ranks, and wrap it.
+    """Open an MLflow run for a not yet started run, start it, and wrap it.
 
     Every rank gets ``MLFLOW_RUN_ID``, ``MLFLOW_TRACKING_URI`` and the experiment in its
-    environment. Returns the started run itself when tracking ends up disabled (MLflow missing).
+    environment. A local run's size is known before it starts; a Ray run's number of ranks
+    is known once ``start()`` has checked the cluster (its ranks start later, in ``wait()``),
+    so it is logged then, and its number of nodes, known once the ranks are placed, is
+    logged when the attempt ends.
+    Returns the started run itself when tracking ends up disabled (MLflow missing).
+
+    Args:
+        run: a ``LocalRun`` or ``RayRun`` that has not started yet.
+        launcher: ``"local"`` or ``"ray"``, recorded as the ``gpufleet.launcher`` tag.
+        function_name: the decorated function's qualified name.
+        gpus: the ``gpus`` setting of the call.
+        gpu_type: the ``gpu_type`` setting of the call.
+        experiment_name: the MLflow experiment, or None for the default one.
+        attempt: the attempt number (0 for the first).
+        max_retries: the call's ``max_retries``.
+        timeout: the call's timeout in seconds, or None.
     """
-    spec = run.spec
+    params: dict[str, Any] = {
+        "gpufleet.function": function_name,
+        "gpufleet.gpus": gpus,
+        "gpufleet.gpu_type": gpu_type,
+    }
+    if launcher == "local":
+        params.update({"gpufleet.world_size": run.num_ranks, "gpufleet.num_nodes": 1})
+    params.update({"gpufleet.attempt": attempt, "gpufleet.max_retries": max_retries, "gpufleet.timeout_s": timeout})
     tracked = start_tracked_run(
         experiment_name,
         run.run_id,
-        params={
-            "gpufleet.function": function_name,
-            "gpufleet.gpus": gpus,
-            "gpufleet.gpu_type": gpu_type,
-            "gpufleet.world_size": spec.num_workers,
-            "gpufleet.num_nodes": 1,
-            "gpufleet.attempt": attempt,
-            "gpufleet.max_retries": max_retries,
-            "gpufleet.timeout_s": timeout,
-        },
+        params=params,
         tags={
             "gpufleet.run_id": run.run_id,
             "gpufleet.run_dir": str(run.run_dir.path),
             "gpufleet.function": function_name,
-            "gpufleet.launcher": "local",
+            "gpufleet.launcher": launcher,
         },
     )
     if not tracked.enabled:
         return run.start()
-    spec.env.update(tracked.env())
+    run.add_env(tracked.env())
     try:
         run.start()
     except BaseException:
         tracked.end("FAILED")
         raise
-    return TrackedLocalRun(run, tracked)
+    if launcher == "local":
+        return TrackedAttempt(run, tracked)
+    tracked.log_params({"gpufleet.world_size": run.num_ranks})
+    return TrackedAttempt(run, tracked, log_num_nodes=True)
+
+
+def start_tracked_local_run(run: Any, **settings: Any) -> Any:
+    """:func:`start_tracked_attempt` for a ``LocalRun``."""
+    return start_tracked_attempt(run, launcher="local", **settings)
