@@ -37,8 +37,10 @@ TRAIN = textwrap.dedent(
             "PYTHONUNBUFFERED", "GPUFLEET_ATTEMPT"]
     env = " ".join(f"{k}={os.environ[k]}" for k in keys)
     same_dir = os.environ["CODE_SOURCE_PATH"] == os.getcwd()
-    print(f"rank={rank} sum={t.item()} lr={params['lr']} {env} in_snapshot={same_dir}", flush=True)
-    print("started", flush=True)
+    # one write() per line: both ranks share the node's log file, and print() writes the
+    # text and the newline separately, so lines of the two ranks could interleave
+    os.write(1, f"rank={rank} sum={t.item()} lr={params['lr']} {env} in_snapshot={same_dir}\\n".encode())
+    os.write(1, b"started\\n")
     time.sleep(float(params.get("sleep", 0)))
     dist.barrier()
     dist.destroy_process_group()
