@@ -331,6 +331,8 @@ class TimedDataLoader(StatefulDataLoader):
         batch_size: samples per batch.
         num_workers: loader worker processes per rank (see above for the default).
         seed: seed of the loader's private generator (used when ``generator`` is not given).
+        report_wait: on rank 0 of a tracked run (``$MLFLOW_RUN_ID`` set), log the wait of each
+            step to MLflow as ``data/wait_seconds`` (averaged over a few seconds).
         **kwargs: any other ``StatefulDataLoader`` argument.
     """
 
@@ -341,8 +343,14 @@ class TimedDataLoader(StatefulDataLoader):
         *,
         num_workers: int | None = None,
         seed: int = 0,
+        report_wait: bool = True,
         **kwargs: Any,
     ) -> None:
+        self._report: Any = None
+        if report_wait and runtime.is_main_process() and os.environ.get("MLFLOW_RUN_ID"):
+            from .tracking.data_wait import log_data_wait
+
+            self._report = log_data_wait
         if num_workers is None:
             num_workers = _default_num_workers()
         if num_workers < 0:
@@ -368,6 +376,8 @@ class TimedDataLoader(StatefulDataLoader):
         self._wait_total += wait
         self._wait_max = max(self._wait_max, wait)
         self._wait_last = wait
+        if self._report is not None:
+            self._report(wait, self._steps)
         if self._last_end is not None:  # a step spans one return of next() to the next
             self._step_total += end - self._last_end
             self._timed_wait_total += wait

@@ -212,3 +212,29 @@ def test_bad_tracking_options_are_refused() -> None:
         distributed(train, tracking="yes")
     with pytest.raises(LaunchConfigError, match="experiment_name must be a non-empty string"):
         distributed(train, experiment_name="  ")
+
+
+def _train_with_a_slow_loader() -> int:
+    import time
+
+    from gpufleet import TimedDataLoader
+
+    class Slow:
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> int:
+            time.sleep(0.03)  # a slow share: every sample keeps the step waiting
+            return i
+
+    loader = TimedDataLoader(Slow(), batch_size=2, num_workers=0)
+    return sum(len(batch) for batch in loader)
+
+
+def test_the_data_loader_reports_its_wait_to_the_call_run(client: MlflowClient) -> None:
+    exp = _experiment()
+    handle = distributed(_train_with_a_slow_loader, experiment_name=exp, **CPU).submit()
+    assert handle.result(timeout=120) == [8, 8]
+    history = client.get_metric_history(handle.mlflow_run_id, "data/wait_seconds")
+    assert history, "rank 0's loader logged no data/wait_seconds"
+    assert all(m.value >= 0.05 for m in history)  # 2 samples x 30 ms per batch
