@@ -19,19 +19,8 @@ from typing import IO, Any
 
 from ..errors import RankFailure
 from ..results import RunDir, new_run_id, read_outcome
-from .outcomes import (
-    CANCELED,
-    FAILED,
-    PENDING,
-    RUNNING,
-    SUCCESS,
-    TERMINAL_STATES,
-    TIMEDOUT,
-    LogConfig,
-    RankGroupRun,
-    as_original_exception,
-    echo_line,
-)
+from ..states import CANCELED, FAILED, PENDING, RUNNING, SUCCESS, TERMINAL_STATES, TIMEDOUT
+from .outcomes import LogConfig, RankGroupRun, as_original_exception, echo_line
 from .ports import find_free_port
 from .proctree import popen_in_own_group, run_processes, stop_process_tree
 from .worker import PARENT_PID_ENV

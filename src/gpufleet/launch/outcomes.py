@@ -32,16 +32,7 @@ from ..errors import (
     WorkerSignalError,
 )
 from ..results import ERROR, OK, RunDir, tail
-
-PENDING, RUNNING, SUCCESS, FAILED, CANCELED, TIMEDOUT = (
-    "PENDING",
-    "RUNNING",
-    "SUCCESS",
-    "FAILED",
-    "CANCELED",
-    "TIMEDOUT",
-)
-TERMINAL_STATES = (SUCCESS, FAILED, CANCELED, TIMEDOUT)
+from ..states import CANCELED, FAILED, PENDING, SUCCESS, TERMINAL_STATES, TIMEDOUT
 
 # Messages of errors that are consequences of another rank's failure, not causes.
 SECONDARY_MESSAGES = re.compile(

@@ -23,15 +23,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ..errors import LaunchConfigError, RankFailure, WorkerGroupError
 from ..results import ERROR, OK, RunDir, new_run_id, tail
-from .outcomes import (
-    FAILED,
-    PENDING,
-    RUNNING,
-    SUCCESS,
-    LogConfig,
-    RankGroupRun,
-    echo_line,
-)
+from ..states import FAILED, PENDING, RUNNING, SUCCESS
+from .outcomes import LogConfig, RankGroupRun, echo_line
 
 if TYPE_CHECKING:
     from ..api import LaunchOptions

@@ -25,20 +25,20 @@ from pathlib import Path
 from typing import Any
 
 from ..results import gpufleet_home
+from ..states import (  # noqa: F401 - re-exported for the workload modules
+    ACTIVE_STATES,
+    CANCELED,
+    FAILED,
+    PENDING,
+    RUNNING,
+    STATES,
+    SUCCESS,
+    TERMINAL_STATES,
+    TIMEDOUT,
+)
 
 logger = logging.getLogger(__name__)
 
-PENDING, RUNNING, SUCCESS, FAILED, CANCELED, TIMEDOUT = (
-    "PENDING",
-    "RUNNING",
-    "SUCCESS",
-    "FAILED",
-    "CANCELED",
-    "TIMEDOUT",
-)
-STATES = (PENDING, RUNNING, SUCCESS, FAILED, CANCELED, TIMEDOUT)
-ACTIVE_STATES = (PENDING, RUNNING)
-TERMINAL_STATES = (SUCCESS, FAILED, CANCELED, TIMEDOUT)
 
 #: Seconds between supervisor heartbeats, and the age after which a heartbeat is stale.
 HEARTBEAT_S = 2.0

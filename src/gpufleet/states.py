@@ -1,0 +1,14 @@
+"""Run states, shared by ``@distributed`` calls (``RunHandle.status``) and workload runs."""
+
+from __future__ import annotations
+
+PENDING = "PENDING"
+RUNNING = "RUNNING"
+SUCCESS = "SUCCESS"
+FAILED = "FAILED"
+CANCELED = "CANCELED"
+TIMEDOUT = "TIMEDOUT"
+
+STATES = (PENDING, RUNNING, SUCCESS, FAILED, CANCELED, TIMEDOUT)
+ACTIVE_STATES = (PENDING, RUNNING)
+TERMINAL_STATES = (SUCCESS, FAILED, CANCELED, TIMEDOUT)
