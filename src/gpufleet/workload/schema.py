@@ -374,8 +374,10 @@ def _path_of(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        else:
+        elif str(part).isprintable() and str(part).strip() and "." not in str(part):
             out += ("." if out else "") + str(part)
+        else:  # a key with dots, spaces or control characters: quoted, on one line
+            out += f"[{str(part)!r}]"
     return out
 
 
