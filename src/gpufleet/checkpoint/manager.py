@@ -198,31 +198,20 @@ class CheckpointManager:
         if not pinned_staging:
             return None
         try:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: F401 - probes for it
         except ImportError:
             logger.warning("this torch has no DCP DefaultStager: asynchronous saves stage without pinned memory")
             return None
         # Synchronous staging: save() returns once the state is copied, so training may change
         # the weights right away; the files are written in the background.
-        stager = DefaultStager(
+        return _kept_stager_class()(
             StagingOptions(
-                use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
+                use_pinned_memory=True,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=torch.cuda.is_available(),  # DCP refuses it without CUDA
             )
         )
-        return stager
-
-    def _usable_stager(self) -> Any:
-        """The pinned stager, made anew if the last ``async_save`` closed it.
-
-        torch 2.11's ``async_save`` closes the stager it is given once the save is done; a
-        closed stager has lost its copy table and fails with ``KeyError: <class 'type'>``.
-        Later releases leave a caller's stager open, so its pinned buffers are reused.
-        """
-        inner = getattr(self._stager, "_state_dict_stager", None)
-        dispatch = getattr(inner, "_deepcopy_dispatch", None)
-        if self._stager is not None and isinstance(dispatch, dict) and not dispatch:
-            self._stager = self._make_stager(True)
-        return self._stager
 
     # -- queries --------------------------------------------------------------------------
     def checkpoints(self) -> list[layout.CheckpointInfo]:
@@ -326,7 +315,7 @@ class CheckpointManager:
                     state,
                     checkpoint_id=str(path),
                     process_group=self._pg,
-                    async_stager=self._usable_stager(),
+                    async_stager=self._stager,
                     no_dist=not self._dist_on,
                 )
             future = getattr(response, "upload_completion", response)
@@ -381,7 +370,7 @@ class CheckpointManager:
         """Wait for a save in flight and free staging buffers; call before the process group is destroyed."""
         self.wait()
         if self._stager is not None:
-            self._stager.close()
+            self._stager.release()
             self._stager = None
 
     def __enter__(self) -> CheckpointManager:
@@ -525,3 +514,31 @@ class CheckpointManager:
             export_checkpoint(layout.step_dir(self.root, step), out, model=model, dtype=dtype)
         self._barrier()
         return out
+
+
+_KEPT_STAGER: Any = None
+
+
+def _kept_stager_class() -> Any:
+    """DCP's ``DefaultStager`` whose pinned buffers survive ``async_save``.
+
+    torch 2.11's ``async_save`` closes the stager it is given once a save is done, which frees
+    the pinned buffers (every save would pin its memory again) and leaves the stager unusable
+    (``KeyError: <class 'type'>`` on the next save). Later releases close only stagers they
+    made. This subclass ignores ``close()``; the manager frees it with ``release()``.
+    """
+    global _KEPT_STAGER
+    if _KEPT_STAGER is None:
+        from torch.distributed.checkpoint.staging import DefaultStager
+
+        class KeptStager(DefaultStager):  # type: ignore[misc]
+            def close(self) -> None:
+                """Keep the buffers for the next save (see :func:`_kept_stager_class`)."""
+
+            def release(self) -> None:
+                """Free the pinned buffers."""
+                DefaultStager.close(self)
+
+        _KEPT_STAGER = KeptStager
+    return _KEPT_STAGER
+
