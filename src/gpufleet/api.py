@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .errors import LaunchConfigError, PayloadPicklingError, WorkerGroupError
+from .errors import LaunchConfigError, PayloadPicklingError
+from .states import FAILED
 
 logger = logging.getLogger(__name__)
 
@@ -203,11 +204,8 @@ class _Execution:
                 try:
                     self._result = self.current.wait()
                     return
-                except WorkerGroupError as e:
-                    if not self._retryable(e):
-                        raise
-                except Exception as e:  # the root cause's own exception type
-                    if not self._retryable(e):
+                except Exception:  # a WorkerGroupError or the root cause's own exception type
+                    if not self._retryable():
                         raise
                 self.attempt += 1
                 logger.warning("run %s failed; retry %d of %d", self.current.run_id, self.attempt, self._max_retries)
@@ -218,12 +216,9 @@ class _Execution:
         finally:
             self.finished.set()
 
-    def _retryable(self, e: BaseException) -> bool:
-        return (
-            not self._canceled
-            and self.attempt < self._max_retries
-            and self.current.status == "FAILED"
-        )
+    def _retryable(self) -> bool:
+        """A failed attempt (not a cancel or a timeout) with retries left."""
+        return not self._canceled and self.attempt < self._max_retries and self.current.status == FAILED
 
     def cancel(self) -> None:
         self._canceled = True
