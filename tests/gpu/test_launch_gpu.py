@@ -28,7 +28,6 @@ def _hello():
         "device": str(dev),
         "name": torch.cuda.get_device_name(dev),
         "sum": t.item(),
-        "caller_cuda_initialised": None,
     }
 
 
