@@ -27,7 +27,7 @@ SIZES = {
     "tiny": (2, 64, 4, 512),
     "350m": (24, 1024, 16, 50304),
     "760m": (24, 1536, 16, 50304),
-    "1b": (24, 2048, 16, 50304),
+    "1b": (18, 2048, 16, 50304),
 }
 
 
@@ -166,6 +166,21 @@ def deepspeed_config(stage: int, micro_batch: int, world: int) -> dict:
     }
 
 
+def make_loss(compiled: bool):
+    """Cross-entropy over fp32 logits; compiled, it never materialises the fp32 copy."""
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return torch.compile(loss_fn) if compiled else loss_fn
+
+
+def compile_blocks(model: GPT) -> None:
+    """torch.compile each transformer block in place (communication still overlaps backward)."""
+    for block in model.blocks:
+        block.compile()
+
+
 def make_optimizer(params, device: torch.device) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
 
@@ -178,6 +193,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block and the loss (not with ZeRO)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -197,6 +213,8 @@ def main() -> None:
     fpt = flops_per_token(model, cfg)
     data = batches(cfg, args.micro_batch, device, seed=rank)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    compiled = args.compile and args.strategy not in ("zero2", "zero3")
+    loss_fn = make_loss(compiled)
 
     if args.strategy in ("zero2", "zero3"):
         import deepspeed
@@ -210,12 +228,14 @@ def main() -> None:
 
         def step() -> torch.Tensor:
             x, y = next(data)
-            loss = F.cross_entropy(engine(x).float().view(-1, cfg.vocab_size), y.reshape(-1))
+            loss = loss_fn(engine(x), y)
             engine.backward(loss)
             engine.step()
             return loss.detach()
     else:
         model.to(device)
+        if compiled:
+            compile_blocks(model)
         if args.strategy == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -239,7 +259,7 @@ def main() -> None:
             x, y = next(data)
             with ctx():
                 logits = wrapped(x)
-            loss = F.cross_entropy(logits.float().view(-1, cfg.vocab_size), y.reshape(-1))
+            loss = loss_fn(logits, y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -5,6 +5,7 @@ tokens/s, MFU and peak memory per GPU, the ratio gpufleet / plain, DDP scaling, 
 advisor's estimate next to each measured peak.
 
     python benchmarks/strategies.py                      # GPUs: 350M GPT, 2 GPUs
+    python benchmarks/strategies.py --size 1b --compile  # 1.0B GPT, torch.compile on both sides
     python benchmarks/strategies.py --cpu                # tiny model on 2 CPU processes (gloo)
     python benchmarks/strategies.py --only ddp,fsdp2     # a subset
 """
@@ -25,14 +26,22 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 CASES = ["single", "ddp", "fsdp2", "zero2", "zero3"]
+COMPILED_CASES = ("single", "ddp", "fsdp2")  # ZeRO runs eager on both sides
 ADVISOR_TECHNIQUE = {"single": "ddp", "ddp": "ddp", "fsdp2": "fsdp2", "zero2": "zero2", "zero3": "zero3"}
 
 
-def gpufleet_rank(strategy: str, size: str, seq_len: int, micro_batch: int, warmup: int, steps: int) -> dict:
+def gpufleet_rank(strategy: str, size: str, seq_len: int, micro_batch: int, warmup: int, steps: int, compiled: bool = False) -> dict:
     """One rank of the gpufleet run: the same model and loop, through prepare()."""
     import torch
-    import torch.nn.functional as F
-    from plain_strategies import GPT, batches, flops_per_token, make_config, make_optimizer, measure
+    from plain_strategies import (
+        GPT,
+        batches,
+        flops_per_token,
+        make_config,
+        make_loss,
+        make_optimizer,
+        measure,
+    )
 
     from gpufleet import runtime
     from gpufleet.strategies import prepare
@@ -46,17 +55,19 @@ def gpufleet_rank(strategy: str, size: str, seq_len: int, micro_batch: int, warm
     fpt = flops_per_token(model, cfg)
     data = batches(cfg, micro_batch, device, seed=rank)
     options: dict = {}
+    compiled = compiled and strategy in COMPILED_CASES
+    loss_fn = make_loss(compiled)
     if strategy in ("single", "ddp"):
-        options["strategy"] = "ddp"
+        options.update(strategy="ddp", compile=compiled)
     elif strategy == "fsdp2":
-        options["strategy"] = "fsdp2"
+        options.update(strategy="fsdp2", compile=compiled)
     else:
         options.update(strategy="deepspeed", zero_stage=int(strategy[-1]), micro_batch_size=micro_batch, overlap_comm=True)
     prepared = prepare(model, lambda params: make_optimizer(params, device), mixed_precision="bf16", **options)
 
     def step() -> torch.Tensor:
         x, y = next(data)
-        loss = F.cross_entropy(prepared(x).float().view(-1, cfg.vocab_size), y.reshape(-1))
+        loss = loss_fn(prepared(x), y)
         prepared.backward(loss)
         prepared.step()
         prepared.zero_grad()
@@ -74,7 +85,7 @@ def run_plain(strategy: str, world: int, args: argparse.Namespace, env: dict[str
             str(HERE / "plain_strategies.py"), "--strategy", strategy, "--size", args.size,
             "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
             "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", out,
-        ]
+        ] + (["--compile"] if args.compile else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"plain {strategy} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -91,7 +102,7 @@ def run_gpufleet(strategy: str, world: int, args: argparse.Namespace, env: dict[
         env=env,
         stream_logs=False,
     )(gpufleet_rank)
-    return fn.distributed(strategy, args.size, args.seq_len, args.micro_batch, args.warmup, args.steps)[0]
+    return fn.distributed(strategy, args.size, args.seq_len, args.micro_batch, args.warmup, args.steps, args.compile)[0]
 
 
 def advisor_estimate(strategy: str, world: int, args: argparse.Namespace) -> float:
@@ -120,6 +131,7 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=None, help="default 16 (2 with --cpu)")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block and the loss on both sides (1 GPU, DDP, FSDP2)")
     parser.add_argument("--only", default=",".join(CASES), help=f"comma list of {','.join(CASES)}")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -156,7 +168,8 @@ def main() -> int:
     single = next((r for r in rows if r["case"] == "single"), None)
     print()
     print(f"model {args.size} ({rows[0]['plain']['num_params'] / 1e6:.0f}M params), seq {args.seq_len}, micro-batch {args.micro_batch}, bf16, "
-          f"{args.steps} timed steps, {'CPU' if args.cpu else 'GPU'}")
+          f"{args.steps} timed steps, {'CPU' if args.cpu else 'GPU'}"
+          f"{', torch.compile (1 GPU, DDP, FSDP2)' if args.compile else ''}")
     header = f"{'case':7} {'ranks':>5} | {'plain tok/s':>12} {'gpufleet tok/s':>14} {'ratio':>6} | {'MFU plain':>9} {'MFU gf':>7} | " \
              f"{'peak plain':>10} {'peak gf':>8} {'advisor':>8} {'adv/meas':>8} | {'scaling':>7}"
     print(header)

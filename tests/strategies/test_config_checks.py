@@ -94,6 +94,7 @@ def test_precision_taken_from_the_user_config_when_not_given():
         (dict(gradient_accumulation_steps=0), "gradient_accumulation_steps must be a positive integer"),
         (dict(strategy="fsdp2", reshard_after_forward=True, no_such_option=1), "unknown fsdp2 option(s) no_such_option"),
         (dict(strategy="ddp", config=FSDP2Config()), "strategy='ddp' takes a DDPConfig"),
+        (dict(strategy="deepspeed", world_size=2, compile=True), "call prepared.model.compile() after prepare()"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -113,6 +114,8 @@ def test_conflicts_are_rejected_with_what_to_change(kwargs, expected):
         (lambda: FSDP2Config(reduce_dtype="fp8"), "reduce_dtype"),
         (lambda: DDPConfig(static_graph=True, find_unused_parameters=True), "Set only static_graph=True"),
         (lambda: DDPConfig(bucket_cap_mb=-1), "bucket_cap_mb"),
+        (lambda: DDPConfig(compile="max-autotune"), "{'mode': 'max-autotune'}"),
+        (lambda: FSDP2Config(compile={1: "x"}), "FSDP2Config.compile must be True, False or a dict"),
     ],
 )
 def test_typed_configs_check_their_values(make, expected):

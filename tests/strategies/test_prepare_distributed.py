@@ -33,6 +33,10 @@ PARITY_CASES = {
     "fsdp2_checkpointing_offload": {
         "strategy": "fsdp2", "activation_checkpointing": True, "reshard_after_forward": False, "cpu_offload": True,
     },
+    # torch.compile block by block; aot_eager traces forward and backward through dynamo and
+    # AOTAutograd (what inductor would compile) without needing minutes of C++ compilation
+    "ddp_compiled": {"strategy": "ddp", "compile": {"backend": "aot_eager"}},
+    "fsdp2_compiled": {"strategy": "fsdp2", "compile": {"backend": "aot_eager"}},
     "zero1": {"strategy": "deepspeed", "zero_stage": 1, "gradient_clipping": MAX_NORM},
     "zero2": {"strategy": "deepspeed", "zero_stage": 2, "gradient_clipping": MAX_NORM},
     "zero3": {"strategy": "deepspeed", "zero_stage": 3, "gradient_clipping": MAX_NORM},
@@ -42,7 +46,7 @@ PARITY_CASES = {
 }
 
 
-def _train(options: dict, accumulation: int) -> tuple[list[float], dict]:
+def _train(options: dict, accumulation: int, facts: dict | None = None) -> tuple[list[float], dict]:
     """The one training loop; returns the global mean loss per optimizer step and the state dict."""
     import torch.distributed as dist
 
@@ -54,6 +58,9 @@ def _train(options: dict, accumulation: int) -> tuple[list[float], dict]:
     model = TinyNet()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     prepared = prepare(model, optimizer, mixed_precision="no", gradient_accumulation_steps=accumulation, **options)
+    if facts is not None:
+        facts["compiled_blocks"] = sum(getattr(b, "_compiled_call_impl", None) is not None for b in model.blocks)
+        facts["compiled_root"] = getattr(model, "_compiled_call_impl", None) is not None
     per_rank = GLOBAL_BATCH // world
     micro = per_rank // accumulation
     losses = []
@@ -134,9 +141,10 @@ def run_all() -> dict:
     from gpufleet import runtime
 
     runtime.setup()
-    out: dict = {"parity": {}, "accumulation": {}, "state": {}}
+    out: dict = {"parity": {}, "accumulation": {}, "state": {}, "facts": {}}
     for name, options in PARITY_CASES.items():
-        losses, state = _train(options, accumulation=1)
+        out["facts"][name] = {}
+        losses, state = _train(options, accumulation=1, facts=out["facts"][name])
         out["parity"][name] = losses
         out["state"][name] = {k: v.float() for k, v in state.items()}
     for name in ("ddp", "fsdp2", "zero2"):
@@ -200,6 +208,14 @@ def test_full_state_dict_matches_single_process(results, reference, name):
 def test_gradient_accumulation_equals_the_larger_batch(results, reference, name):
     ref_losses, _ = reference
     assert results[0]["accumulation"][name] == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp_compiled", "fsdp2_compiled"])
+def test_compile_compiles_each_block_not_the_whole_model(results, name):
+    facts = results[0]["facts"][name]
+    assert facts == {"compiled_blocks": 3, "compiled_root": False}
+    assert results[0]["facts"]["ddp"] == {"compiled_blocks": 0, "compiled_root": False}
 
 
 @pytest.mark.slow

@@ -46,6 +46,16 @@ class StrategyConfigError(GpufleetError, ValueError):
     """A parallelism option is wrong or contradicts another; raised before training starts."""
 
 
+def _check_compile(owner: str, value: Any) -> None:
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise StrategyConfigError(
+            f"{owner}.compile must be True, False or a dict of torch.compile keyword arguments "
+            f"(e.g. {{'mode': 'max-autotune'}}), got {value!r}"
+        )
+
+
 @dataclass(frozen=True)
 class DDPConfig:
     """Options of ``torch.nn.parallel.DistributedDataParallel``.
@@ -60,6 +70,10 @@ class DDPConfig:
             gradients' memory).
         broadcast_buffers: broadcast module buffers (e.g. BatchNorm statistics) from rank 0 at
             every forward.
+        compile: ``torch.compile`` each transformer block (found as for FSDP2; the whole model
+            when it has no blocks). ``True`` uses torch's defaults; a dict is passed to
+            ``torch.compile`` as keyword arguments, e.g. ``{"mode": "max-autotune"}``. Blocks
+            are compiled one by one so that gradient communication still overlaps backward.
     """
 
     bucket_cap_mb: float | None = None
@@ -67,8 +81,10 @@ class DDPConfig:
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = True
     broadcast_buffers: bool = True
+    compile: bool | dict[str, Any] = False
 
     def __post_init__(self) -> None:
+        _check_compile("DDPConfig", self.compile)
         if self.bucket_cap_mb is not None and not (
             isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0
         ):
@@ -98,6 +114,10 @@ class FSDP2Config:
             (``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
         reduce_dtype: dtype of the gradient reduce-scatter: ``"fp32"`` (default, exact
             averaging) or ``"bf16"`` (half the traffic).
+        compile: ``torch.compile`` each block that is sharded one by one. ``True`` uses torch's
+            defaults; a dict is passed to ``torch.compile`` as keyword arguments, e.g.
+            ``{"mode": "max-autotune"}``. Compiling block by block keeps the all-gathers and
+            reduce-scatters overlapping compute.
     """
 
     block_classes: tuple[Any, ...] | None = None
@@ -105,8 +125,10 @@ class FSDP2Config:
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     reduce_dtype: str = "fp32"
+    compile: bool | dict[str, Any] = False
 
     def __post_init__(self) -> None:
+        _check_compile("FSDP2Config", self.compile)
         if self.block_classes is not None:
             value = self.block_classes
             if isinstance(value, (str, type)):
@@ -248,6 +270,11 @@ def make_config(strategy: str, config: Any = None, **options: Any) -> Any:
             f"pass the config of the strategy you chose"
         )
     if options:
+        if strategy == "deepspeed" and "compile" in options:
+            raise StrategyConfigError(
+                "compile is an option of ddp and fsdp2; a DeepSpeed engine compiles itself: call "
+                "prepared.model.compile() after prepare()"
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:

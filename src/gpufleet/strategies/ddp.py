@@ -52,6 +52,17 @@ def prepare_ddp(model: Any, optimizer: Any, plan: StrategyPlan, device: Any) -> 
 
     cfg: DDPConfig = plan.config
     model.to(device)
+    if cfg.compile:
+        from .compiling import compile_modules
+        from .config import StrategyConfigError
+        from .fsdp import find_block_classes
+
+        try:
+            block_classes = find_block_classes(model)
+            blocks = [m for m in model.modules() if isinstance(m, block_classes)]
+        except StrategyConfigError:
+            blocks = []  # no transformer blocks: compile the model as one
+        compile_modules(model, blocks, cfg.compile)
     kwargs: dict[str, Any] = {
         "static_graph": cfg.static_graph,
         "find_unused_parameters": cfg.find_unused_parameters,

@@ -143,6 +143,10 @@ def prepare_fsdp2(model: Any, optimizer: Any, plan: StrategyPlan, device: Any) -
 
         for block in blocks:
             checkpoint(block)
+    if cfg.compile:
+        from .compiling import compile_modules
+
+        compile_modules(model, blocks, cfg.compile)
     for block in blocks:
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
     # the root's parameters (embeddings, head) are needed right away in backward: keep them
