@@ -194,6 +194,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compile", action="store_true", help="torch.compile each block and the loss (not with ZeRO)")
+    parser.add_argument("--ddp-bucket-mb", type=float, default=None, help="DDP bucket_cap_mb (default: torch's 25)")
+    parser.add_argument("--ddp-static-graph", action="store_true", help="DDP static_graph=True")
+    parser.add_argument("--ddp-comm-hook", choices=["bf16", "fp16"], default=None, help="all-reduce gradients in 16 bits")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -249,7 +252,17 @@ def main() -> None:
         elif args.strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
-            wrapped = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True)
+            ddp_kwargs = {"static_graph": args.ddp_static_graph}
+            if args.ddp_bucket_mb is not None:
+                ddp_kwargs["bucket_cap_mb"] = args.ddp_bucket_mb
+            wrapped = DistributedDataParallel(
+                model, device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True, **ddp_kwargs
+            )
+            if args.ddp_comm_hook:
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                hook = default_hooks.bf16_compress_hook if args.ddp_comm_hook == "bf16" else default_hooks.fp16_compress_hook
+                wrapped.register_comm_hook(state=None, hook=hook)
             ctx = lambda: autocast  # noqa: E731
         else:
             wrapped, ctx = model, lambda: autocast  # noqa: E731

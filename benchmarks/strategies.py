@@ -30,7 +30,9 @@ COMPILED_CASES = ("single", "ddp", "fsdp2")  # ZeRO runs eager on both sides
 ADVISOR_TECHNIQUE = {"single": "ddp", "ddp": "ddp", "fsdp2": "fsdp2", "zero2": "zero2", "zero3": "zero3"}
 
 
-def gpufleet_rank(strategy: str, size: str, seq_len: int, micro_batch: int, warmup: int, steps: int, compiled: bool = False) -> dict:
+def gpufleet_rank(
+    strategy: str, size: str, seq_len: int, micro_batch: int, warmup: int, steps: int, compiled: bool = False, ddp: dict | None = None
+) -> dict:
     """One rank of the gpufleet run: the same model and loop, through prepare()."""
     import torch
     from plain_strategies import (
@@ -58,7 +60,7 @@ def gpufleet_rank(strategy: str, size: str, seq_len: int, micro_batch: int, warm
     compiled = compiled and strategy in COMPILED_CASES
     loss_fn = make_loss(compiled)
     if strategy in ("single", "ddp"):
-        options.update(strategy="ddp", compile=compiled)
+        options.update(strategy="ddp", compile=compiled, **(ddp or {}))
     elif strategy == "fsdp2":
         options.update(strategy="fsdp2", compile=compiled)
     else:
@@ -86,6 +88,12 @@ def run_plain(strategy: str, world: int, args: argparse.Namespace, env: dict[str
             "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
             "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", out,
         ] + (["--compile"] if args.compile else [])
+        if args.ddp_bucket_mb is not None:
+            cmd += ["--ddp-bucket-mb", str(args.ddp_bucket_mb)]
+        if args.ddp_static_graph:
+            cmd.append("--ddp-static-graph")
+        if args.ddp_comm_hook:
+            cmd += ["--ddp-comm-hook", args.ddp_comm_hook]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"plain {strategy} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -102,7 +110,8 @@ def run_gpufleet(strategy: str, world: int, args: argparse.Namespace, env: dict[
         env=env,
         stream_logs=False,
     )(gpufleet_rank)
-    return fn.distributed(strategy, args.size, args.seq_len, args.micro_batch, args.warmup, args.steps, args.compile)[0]
+    ddp = {"bucket_cap_mb": args.ddp_bucket_mb, "static_graph": args.ddp_static_graph, "comm_hook": args.ddp_comm_hook}
+    return fn.distributed(strategy, args.size, args.seq_len, args.micro_batch, args.warmup, args.steps, args.compile, ddp)[0]
 
 
 def advisor_estimate(strategy: str, world: int, args: argparse.Namespace) -> float:
@@ -114,7 +123,8 @@ def advisor_estimate(strategy: str, world: int, args: argparse.Namespace) -> flo
     with torch.device("meta"):
         model = GPT(make_config(args.size, args.seq_len))
     advice = advise(model, gpus=world, gpu_memory="141GB", seq_len=args.seq_len, micro_batch=args.micro_batch,
-                    precision="bf16", optimizer="adamw", activation_checkpointing=False)
+                    precision="bf16", optimizer="adamw", activation_checkpointing=False,
+                    compiled=args.compile and strategy in COMPILED_CASES)
     return advice.estimates[ADVISOR_TECHNIQUE[strategy]].total_gib
 
 
@@ -132,6 +142,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--compile", action="store_true", help="torch.compile each block and the loss on both sides (1 GPU, DDP, FSDP2)")
+    parser.add_argument("--ddp-bucket-mb", type=float, default=None, help="DDP bucket_cap_mb on both sides (default: torch's 25)")
+    parser.add_argument("--ddp-static-graph", action="store_true", help="DDP static_graph=True on both sides")
+    parser.add_argument("--ddp-comm-hook", choices=["bf16", "fp16"], default=None, help="DDP all-reduces gradients in 16 bits, both sides")
     parser.add_argument("--only", default=",".join(CASES), help=f"comma list of {','.join(CASES)}")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -169,7 +182,8 @@ def main() -> int:
     print()
     print(f"model {args.size} ({rows[0]['plain']['num_params'] / 1e6:.0f}M params), seq {args.seq_len}, micro-batch {args.micro_batch}, bf16, "
           f"{args.steps} timed steps, {'CPU' if args.cpu else 'GPU'}"
-          f"{', torch.compile (1 GPU, DDP, FSDP2)' if args.compile else ''}")
+          f"{', torch.compile (1 GPU, DDP, FSDP2)' if args.compile else ''}"
+          f"; DDP: bucket {args.ddp_bucket_mb or 25} MB, static_graph={args.ddp_static_graph}, comm_hook={args.ddp_comm_hook}")
     header = f"{'case':7} {'ranks':>5} | {'plain tok/s':>12} {'gpufleet tok/s':>14} {'ratio':>6} | {'MFU plain':>9} {'MFU gf':>7} | " \
              f"{'peak plain':>10} {'peak gf':>8} {'advisor':>8} {'adv/meas':>8} | {'scaling':>7}"
     print(header)

@@ -114,6 +114,7 @@ def test_conflicts_are_rejected_with_what_to_change(kwargs, expected):
         (lambda: FSDP2Config(reduce_dtype="fp8"), "reduce_dtype"),
         (lambda: DDPConfig(static_graph=True, find_unused_parameters=True), "Set only static_graph=True"),
         (lambda: DDPConfig(bucket_cap_mb=-1), "bucket_cap_mb"),
+        (lambda: DDPConfig(comm_hook="int8"), "comm_hook must be 'bf16', 'fp16' or None"),
         (lambda: DDPConfig(compile="max-autotune"), "{'mode': 'max-autotune'}"),
         (lambda: FSDP2Config(compile={1: "x"}), "FSDP2Config.compile must be True, False or a dict"),
     ],

@@ -124,6 +124,43 @@ def _precision_facts() -> dict:
     return facts
 
 
+def _comm_hook_facts() -> dict:
+    """Gradients after backward with DDP's 16-bit all-reduce vs the exact fp32 average.
+
+    fp16 on CPU: torch allows the bf16 hook only on NCCL, which gpufleet says before wrapping.
+    """
+    import torch.distributed as dist
+
+    from gpufleet.strategies import prepare
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = TinyNet()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 + rank))
+    try:
+        prepare(TinyNet(), None, strategy="ddp", comm_hook="bf16")
+        bf16_refusal = "no error"
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        bf16_refusal = f"{type(e).__name__}: {e}"
+    prepared = prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="ddp", comm_hook="fp16")
+    prepared.backward(prepared(x).pow(2).mean())
+    reference = TinyNet()
+    reference.load_state_dict(model.state_dict())
+    reference(x).pow(2).mean().backward()
+    exact = [p.grad.clone() for p in reference.parameters()]
+    for g in exact:
+        dist.all_reduce(g)
+        g /= world
+    got = [p.grad for p in model.parameters()]
+    return {
+        "bf16_refusal": bf16_refusal,
+        "fp16_representable": all(torch.equal(g, g.half().float()) for g in got),
+        "exact_is_fp16_representable": all(torch.equal(g, g.half().float()) for g in exact),
+        # error relative to each tensor's largest gradient (tiny entries are fp16 subnormals)
+        "max_rel_error": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, exact, strict=True)),
+    }
+
+
 def _conflict_in_worker() -> str:
     """A batch-size conflict that only shows with the real world size, raised inside prepare()."""
     from gpufleet.strategies import DeepSpeedConfig, StrategyConfigError, prepare
@@ -151,6 +188,7 @@ def run_all() -> dict:
         out["accumulation"][name] = _train(PARITY_CASES[name], accumulation=2)[0]
     out["precision"] = _precision_facts()
     out["conflict"] = _conflict_in_worker()
+    out["comm_hook"] = _comm_hook_facts()
     return out
 
 
@@ -216,6 +254,15 @@ def test_compile_compiles_each_block_not_the_whole_model(results, name):
     facts = results[0]["facts"][name]
     assert facts == {"compiled_blocks": 3, "compiled_root": False}
     assert results[0]["facts"]["ddp"] == {"compiled_blocks": 0, "compiled_root": False}
+
+
+@pytest.mark.slow
+def test_fp16_comm_hook_all_reduces_gradients_in_16_bits(results):
+    facts = results[0]["comm_hook"]
+    assert facts["fp16_representable"]  # what the fp16 all-reduce produced, cast back
+    assert not facts["exact_is_fp16_representable"]  # an fp32 all-reduce would not be
+    assert facts["max_rel_error"] < 2e-3  # and it is still the average (fp16 has 11 bits of mantissa)
+    assert facts["bf16_refusal"].startswith("StrategyConfigError: comm_hook='bf16' needs NCCL on CUDA GPUs")
 
 
 @pytest.mark.slow

@@ -38,6 +38,7 @@ def add_parsers(subparsers: Any) -> None:
     ac = p.add_mutually_exclusive_group()
     ac.add_argument("--activation-checkpointing", dest="activation_checkpointing", action="store_const", const=True, default=None)
     ac.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_const", const=False)
+    p.add_argument("--compile", action="store_true", help="the model runs under torch.compile (smaller activations)")
     p.add_argument("--num-layers", type=int, default=None, help="blocks, when only --model-params is given")
     p.add_argument("--hidden-size", type=int, default=None, help="width, when only --model-params is given")
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary, when only --model-params is given")
@@ -60,6 +61,7 @@ def _run(args: argparse.Namespace) -> int:
             seq_len=args.seq_len,
             micro_batch=args.micro_batch,
             activation_checkpointing=args.activation_checkpointing,
+            compiled=args.compile,
             num_layers=args.num_layers,
             hidden_size=args.hidden_size,
             vocab_size=args.vocab_size,

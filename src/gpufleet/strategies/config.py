@@ -70,6 +70,9 @@ class DDPConfig:
             gradients' memory).
         broadcast_buffers: broadcast module buffers (e.g. BatchNorm statistics) from rank 0 at
             every forward.
+        comm_hook: ``"bf16"`` or ``"fp16"`` all-reduces the gradients in 16 bits (torch's
+            ``bf16_compress_hook`` / ``fp16_compress_hook``: half the traffic, the average is
+            rounded to 16 bits before it is cast back); ``None`` (default) keeps them fp32.
         compile: ``torch.compile`` each transformer block (found as for FSDP2; the whole model
             when it has no blocks). ``True`` uses torch's defaults; a dict is passed to
             ``torch.compile`` as keyword arguments, e.g. ``{"mode": "max-autotune"}``. Blocks
@@ -81,10 +84,13 @@ class DDPConfig:
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = True
     broadcast_buffers: bool = True
+    comm_hook: str | None = None
     compile: bool | dict[str, Any] = False
 
     def __post_init__(self) -> None:
         _check_compile("DDPConfig", self.compile)
+        if self.comm_hook not in (None, "bf16", "fp16"):
+            raise StrategyConfigError(f"DDPConfig.comm_hook must be 'bf16', 'fp16' or None, got {self.comm_hook!r}")
         if self.bucket_cap_mb is not None and not (
             isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0
         ):

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .base import TorchPreparedModel
-from .config import DDPConfig, StrategyPlan
+from .config import DDPConfig, StrategyConfigError, StrategyPlan
 from .precision import autocast_context, make_grad_scaler
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,6 @@ def prepare_ddp(model: Any, optimizer: Any, plan: StrategyPlan, device: Any) -> 
     model.to(device)
     if cfg.compile:
         from .compiling import compile_modules
-        from .config import StrategyConfigError
         from .fsdp import find_block_classes
 
         try:
@@ -81,5 +80,15 @@ def prepare_ddp(model: Any, optimizer: Any, plan: StrategyPlan, device: Any) -> 
         wrapped = model
     else:
         wrapped = DistributedDataParallel(model, **kwargs)
+        if cfg.comm_hook == "bf16" and device.type != "cuda":
+            raise StrategyConfigError(
+                f"comm_hook='bf16' needs NCCL on CUDA GPUs (this rank runs on {device.type}); use comm_hook='fp16' or None"
+            )
+        if cfg.comm_hook is not None:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            hook = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}[cfg.comm_hook]
+            wrapped.register_comm_hook(state=None, hook=hook)
+            kwargs["comm_hook"] = hook.__name__
         logger.info("DDP ready: %s", kwargs)
     return DDPPreparedModel(wrapped, optimizer, plan, device, make_grad_scaler(plan.mixed_precision, device))
