@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for strategy in args.strategies:
             rows.append(launch(bench_rank).distributed(strategy, width, args.blocks, args.saves, str(root))[0])
+            print(f"{strategy}: {json.dumps(rows[-1])}", flush=True)
             shutil.rmtree(root / strategy, ignore_errors=True)
     finally:
         if args.dir is None:

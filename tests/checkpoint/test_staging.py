@@ -12,8 +12,18 @@ from gpufleet.checkpoint import CheckpointManager
 
 
 def test_stager_survives_an_async_save_that_closes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
     real_async_save = dcp.async_save
+    real_stage = StateDictStager.stage
     closed = []
+    staged: list[dict] = []
+
+    def closing_stage(self, state_dict, **kwargs):  # torch 2.11's DefaultStager closes it after each copy
+        out = real_stage(self, state_dict, **kwargs)
+        staged.append(out)
+        self.close()
+        return out
 
     def closing_async_save(*args, **kwargs):  # torch 2.11 closes the caller's stager after a save
         response = real_async_save(*args, **kwargs)
@@ -22,6 +32,7 @@ def test_stager_survives_an_async_save_that_closes_it(tmp_path: Path, monkeypatc
         return response
 
     monkeypatch.setattr(dcp, "async_save", closing_async_save)
+    monkeypatch.setattr(StateDictStager, "stage", closing_stage)
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -38,6 +49,10 @@ def test_stager_survives_an_async_save_that_closes_it(tmp_path: Path, monkeypatc
         saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
     manager.wait()
     assert len(closed) == 3 and manager._stager is stager  # one stager, reused for every save
+    # the host copies of the weights are the same buffers at every save (nothing re-allocated
+    # or re-pinned), refreshed with the new values
+    pointers = {s["model"]["weight"].untyped_storage().data_ptr() for s in staged}
+    assert len(staged) == 3 and len(pointers) == 1
     assert [c.step for c in manager.checkpoints()] == [1, 2, 3]
 
     fresh = torch.nn.Linear(3, 2)

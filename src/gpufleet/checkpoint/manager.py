@@ -520,25 +520,34 @@ _KEPT_STAGER: Any = None
 
 
 def _kept_stager_class() -> Any:
-    """DCP's ``DefaultStager`` whose pinned buffers survive ``async_save``.
+    """DCP's ``DefaultStager`` whose pinned buffers survive every save.
 
-    torch 2.11's ``async_save`` closes the stager it is given once a save is done, which frees
-    the pinned buffers (every save would pin its memory again) and leaves the stager unusable
-    (``KeyError: <class 'type'>`` on the next save). Later releases close only stagers they
-    made. This subclass ignores ``close()``; the manager frees it with ``release()``.
+    DCP's stager keeps the pinned host copies of the tensors it staged and reuses them on the
+    next save, but torch 2.11 throws them away after each save: ``DefaultStager._stage`` closes
+    its inner ``StateDictStager`` once the copy is done, which frees the pinned buffers (each save
+    would pin the whole state again) and empties its copy table (the next save fails with
+    ``KeyError: <class 'type'>``). Later releases keep them, but their ``async_save`` may close
+    the stager it is given. This subclass ignores both closes; the manager frees the buffers
+    with ``release()``.
     """
     global _KEPT_STAGER
     if _KEPT_STAGER is None:
         from torch.distributed.checkpoint.staging import DefaultStager
 
         class KeptStager(DefaultStager):  # type: ignore[misc]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                inner = self._state_dict_stager
+                self._inner_close = inner.close
+                inner.close = lambda: None  # torch 2.11 calls it after every save
+
             def close(self) -> None:
                 """Keep the buffers for the next save (see :func:`_kept_stager_class`)."""
 
             def release(self) -> None:
                 """Free the pinned buffers."""
+                self._inner_close()
                 DefaultStager.close(self)
 
         _KEPT_STAGER = KeptStager
     return _KEPT_STAGER
-
