@@ -4,6 +4,7 @@
 #
 #   bash recipes/run_gpu_smoke.sh [OUT_DIR]        # about 6-8 minutes on 2 x H200
 #   VISION_PYTHON=... AXOLOTL_PYTHON=... bash recipes/run_gpu_smoke.sh   # + RetinaNet, Unsloth, Axolotl (~4 min)
+#   ONLY="trl-lora-sft-fsdp2-moe fsdp-llama31-8b-sft" bash recipes/run_gpu_smoke.sh   # just these recipes
 #
 # Needs: torch (CUDA), transformers, trl, peft, accelerate, datasets, deepspeed, lightning, ray,
 # nbclient, ipykernel, and gpufleet installed (pip install -e .).
@@ -40,8 +41,11 @@ make_ratings_csv(f"{out}/ratings.csv", num_users=100000, num_items=20000, num_ra
 make_token_file(f"{out}/tokens.bin", num_tokens=20_000_000, vocab_size=8192)
 PY
 
+selected() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
+
 nb() {  # notebook, then env assignments
   local name="$1"; shift
+  selected "$name" || return 0
   echo "== $name"
   local start=$(date +%s)
   env GPUS=2 OUTPUT_DIR="$out/$name" "$@" "$py" _smoke/run_notebook.py "$name"/*.ipynb --out "$out/$name.executed.ipynb" \
@@ -57,6 +61,7 @@ nb pytorch-fsdp2-transformer DATA="$out/tokens.bin" MAX_STEPS=200 CHECKPOINT_EVE
 
 wl() {  # workload folder, then overrides
   local name="$1"; shift
+  selected "$name" || return 0
   echo "== $name (gpufleet run, GPU_2xH200)"
   local start=$(date +%s) args=()
   for o in "$@"; do args+=(--override "$o"); done
@@ -81,14 +86,17 @@ wl ray-train-qwen25-3b-sft parameters.model="$out/qwen2-1b" parameters.train_fil
 has() { "$1" -c "import $2" >/dev/null 2>&1; }
 vision_py="${VISION_PYTHON:-$py}"     # torchvision + pycocotools (+ unsloth for the Unsloth recipe)
 axolotl_py="${AXOLOTL_PYTHON:-$py}"   # axolotl 0.19.0 + bitsandbytes (CUDA)
-if has "$vision_py" "torchvision, pycocotools"; then
+if ! selected pytorch-ddp-retinanet; then :
+elif has "$vision_py" "torchvision, pycocotools"; then
   "$vision_py" -c "import sys; sys.path.insert(0, '.'); from _smoke import make_coco_folder; make_coco_folder(sys.argv[1], num_images=512, size=640, num_categories=8)" "$out/coco"
   py="$vision_py" nb pytorch-ddp-retinanet DATA="$out/coco" IMAGE_SIZE=640 BATCH_SIZE=16 MAX_STEPS=40 NUM_WORKERS=6
 else echo "== pytorch-ddp-retinanet skipped: $vision_py lacks torchvision or pycocotools (pip install pycocotools==2.0.11)"; fi
-if has "$vision_py" unsloth; then  # the Llama-3.2-1B-like model above; MODEL=<a 3B Llama folder> for the real size
+if ! selected unsloth-lora-sft-ddp; then :
+elif has "$vision_py" unsloth; then  # the Llama-3.2-1B-like model above; MODEL=<a 3B Llama folder> for the real size
   py="$vision_py" nb unsloth-lora-sft-ddp MODEL="$out/llama-1b" DATA="$out/chat.jsonl" MAX_STEPS=30 BATCH_SIZE=8 MAX_LENGTH=1024
 else echo "== unsloth-lora-sft-ddp skipped: $vision_py lacks unsloth (recipes/envs/vision.txt; VISION_PYTHON=...)"; fi
-if has "$axolotl_py" "axolotl, bitsandbytes"; then  # a 1.1B OLMo-2 in 4-bit (QLoRA); MODEL=<OLMo-2 7B folder> for the real size
+if ! selected axolotl-qlora-ddp; then :
+elif has "$axolotl_py" "axolotl, bitsandbytes"; then  # a 1.1B OLMo-2 in 4-bit (QLoRA); MODEL=<OLMo-2 7B folder> for the real size
   "$axolotl_py" -c "import sys; sys.path.insert(0, '.'); from _smoke import make_tiny_causal_lm; make_tiny_causal_lm('olmo2', sys.argv[1], hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096)" "$out/olmo2-1b"
   py="$axolotl_py" nb axolotl-qlora-ddp MODEL="$out/olmo2-1b" DATA="$out/chat.jsonl" MAX_STEPS=30 MICRO_BATCH_SIZE=8 SEQUENCE_LEN=1024
 else echo "== axolotl-qlora-ddp skipped: $axolotl_py lacks axolotl or bitsandbytes (recipes/envs/axolotl.txt; AXOLOTL_PYTHON=...)"; fi
