@@ -29,6 +29,10 @@ def test_save_on_2_ranks_load_on_3_and_on_1_across_ddp_fsdp2_and_plain(tmp_path:
 
     on_2 = run.with_overrides(gpus=2).distributed(ckpt, "ddp", 2)
     assert [r["resumed"] for r in on_2] == [0, 0]
+    # each DDP rank handed DCP (and would stage) only its share of the replicated state
+    full = on_2[0]["full_state_bytes"]
+    shares = [r["tensor_bytes"] for r in on_2]
+    assert sum(shares) == full and max(shares) <= 0.6 * full, (shares, full)
 
     on_3 = run.with_overrides(gpus=3).distributed(ckpt, "fsdp2", 1)  # DDP (2 ranks) -> FSDP2 (3 ranks)
     assert [r["resumed"] for r in on_3] == [2, 2, 2]

@@ -220,11 +220,15 @@ def train_fixed_batches(ckpt_dir: str, strategy: str, train_steps: int) -> dict[
         scheduler.step()
     manager.save(resumed + train_steps)
     manager.close()
+    final = {"params": full_params(model), "optim": full_optim_state(model, optimizer), "lr": scheduler.get_last_lr()}
+    tensors = [*final["params"].values(), *(t for s in final["optim"].values() for t in s.values())]
     return {
         "world_size": dist.get_world_size(),
         "resumed": resumed,
+        "tensor_bytes": manager.last_save["tensor_bytes"],
+        "full_state_bytes": sum(t.numel() * t.element_size() for t in tensors),
         "loaded": loaded,
-        "final": {"params": full_params(model), "optim": full_optim_state(model, optimizer), "lr": scheduler.get_last_lr()},
+        "final": final,
     }
 
 

@@ -309,6 +309,7 @@ class CheckpointManager:
 
         self._write_rank_state(path)
         state = self._dcp_state()
+        state, staged_bytes = self._own_share(state)
         if self.async_save:
             with quiet_single_process():
                 response = dcp.async_save(
@@ -319,13 +320,26 @@ class CheckpointManager:
                     no_dist=not self._dist_on,
                 )
             future = getattr(response, "upload_completion", response)
-            self.last_save = {"step": step, "async": True, "blocked_s": time.perf_counter() - started}
+            self.last_save = {
+                "step": step, "async": True, "blocked_s": time.perf_counter() - started, "tensor_bytes": staged_bytes,
+            }
             self._pending = _PendingSave(self, step, path, future, started)
         else:
             with quiet_single_process():
                 dcp.save(state, checkpoint_id=str(path), process_group=self._pg, no_dist=not self._dist_on)
             self._finish(step, path, started, is_async=False)
+            self.last_save["tensor_bytes"] = staged_bytes
         return path
+
+    def _own_share(self, state: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """This rank's share of the replicated (DDP / plain) model and optimizer tensors."""
+        from .replicas import share_of_replicas
+
+        if not self._dist_on:
+            return share_of_replicas(state, ("model", "optimizer"), 0, 1)
+        import torch.distributed as dist
+
+        return share_of_replicas(state, ("model", "optimizer"), dist.get_rank(self._pg), dist.get_world_size(self._pg))
 
     def _save_deepspeed(self, step: int, path: Path) -> None:
         client_state: dict[str, Any] = {"gpufleet_step": step}
