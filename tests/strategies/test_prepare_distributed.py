@@ -37,6 +37,9 @@ PARITY_CASES = {
     # AOTAutograd (what inductor would compile) without needing minutes of C++ compilation
     "ddp_compiled": {"strategy": "ddp", "compile": {"backend": "aot_eager"}},
     "fsdp2_compiled": {"strategy": "fsdp2", "compile": {"backend": "aot_eager"}},
+    "fsdp2_checkpointing_compiled": {
+        "strategy": "fsdp2", "activation_checkpointing": True, "compile": {"backend": "aot_eager"},
+    },
     "zero1": {"strategy": "deepspeed", "zero_stage": 1, "gradient_clipping": MAX_NORM},
     "zero2": {"strategy": "deepspeed", "zero_stage": 2, "gradient_clipping": MAX_NORM},
     "zero3": {"strategy": "deepspeed", "zero_stage": 3, "gradient_clipping": MAX_NORM},
