@@ -67,6 +67,32 @@ def test_activations_grow_with_sequence_and_batch():
     assert advise(model_params="1.3B").estimates["ddp"].activations_gib == 0
 
 
+def test_a_plain_pytorch_language_model_gives_its_vocabulary_and_compile_drops_the_fp32_logits():
+    import torch
+
+    class Block(torch.nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+        def forward(self, x):
+            return x + self.fc2(torch.relu(self.fc1(x)))
+
+    class TinyGPT(torch.nn.Module):  # no ``config`` attribute: the shape comes from the modules
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.pos = torch.nn.Embedding(5000, 64), torch.nn.Embedding(1024, 64)
+            self.blocks = torch.nn.ModuleList(Block(64) for _ in range(3))
+            self.head = torch.nn.Linear(64, 5000, bias=False)
+
+    eager = advise(TinyGPT(), gpus=2, seq_len=1024, micro_batch=8)
+    assert (eager.model.num_layers, eager.model.hidden_size, eager.model.vocab_size) == (3, 64, 5000)
+    assert "vocab_size" not in eager.model.guessed
+    compiled = advise(TinyGPT(), gpus=2, seq_len=1024, micro_batch=8, compiled=True)
+    saved = (eager.estimates["ddp"].activations_gib - compiled.estimates["ddp"].activations_gib) * GIB
+    assert saved == pytest.approx(6 * 1024 * 8 * 5000, rel=1e-2)  # 10 -> 4 bytes per logit (GiB rounded to 3 places)
+
+
 def test_an_nn_module_and_a_hugging_face_config_folder(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
