@@ -86,6 +86,7 @@ def test_unsloth_lora_sft_trains_with_ddp_and_saves_an_adapter(tmp_path: Path) -
     assert [r["rank"] for r in results] == [0, 1] and results[0]["world_size"] == 2
     assert all(r["wrapper"] == "DistributedDataParallel" and r["steps"] == 3 for r in results)
     assert results[0]["unsloth"] == "2026.10.9"
+    assert all(r["tokens_per_second"] > 0 and r["samples_per_second"] > 0 for r in results)
     losses = _same_on_every_rank(results, "losses")
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
     out = tmp_path / "out"
