@@ -75,7 +75,9 @@ def make_tokenizer(out_dir: str | Path | None = None) -> Any:
     return fast
 
 
-def make_tiny_causal_lm(arch: str, out_dir: str | Path, seed: int = 0, **config_overrides: Any) -> str:
+def make_tiny_causal_lm(
+    arch: str, out_dir: str | Path, seed: int = 0, dtype: str = "float32", device: str = "cpu", **config_overrides: Any
+) -> str:
     """Build a tiny randomly initialised causal LM of architecture ``arch`` and save it.
 
     The folder holds ``config.json``, safetensors weights and a tokenizer, so
@@ -86,6 +88,8 @@ def make_tiny_causal_lm(arch: str, out_dir: str | Path, seed: int = 0, **config_
         arch: a transformers ``model_type`` listed in :data:`ARCH_OVERRIDES` (e.g. ``"llama"``).
         out_dir: folder to write.
         seed: seed for the random weights.
+        dtype: the weights' dtype as saved (``"bfloat16"`` halves the files of a full-size model).
+        device: where the weights are initialised (``"cuda"`` builds a full-size model in seconds).
         **config_overrides: extra config fields (e.g. ``num_hidden_layers=4``).
 
     Returns:
@@ -112,6 +116,10 @@ def make_tiny_causal_lm(arch: str, out_dir: str | Path, seed: int = 0, **config_
         **settings,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(str(out))
+    del model
+    if device != "cpu":
+        torch.cuda.empty_cache()
     return str(out)
