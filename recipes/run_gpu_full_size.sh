@@ -11,11 +11,7 @@
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 out="${1:-/tmp/gpufleet-gpu-full}"
-mkdir -p "$out"
-export HF_HUB_OFFLINE=1 PYTHONPATH="$repo/src:${PYTHONPATH:-}"
-py="${PYTHON:-python}"
-cd "$repo/recipes"
-selected() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
+source "$repo/recipes/_smoke/gpu_common.sh"
 
 build() {  # name arch config...: a bf16 model of the real shape, initialised on the GPU
   local dest="$out/$1" arch="$2"; shift 2
@@ -26,16 +22,6 @@ make_tiny_causal_lm(sys.argv[1], sys.argv[2], dtype='bfloat16', device='cuda', *
 "$py" -c "import sys; sys.path.insert(0, '.'); from _smoke import make_chat_jsonl, make_invoice_jsonl; \
 make_chat_jsonl(sys.argv[1] + '/chat.jsonl', num_rows=2000); make_invoice_jsonl(sys.argv[1] + '/invoices.jsonl', num_rows=2000)" "$out"
 
-wl() {  # workload folder, then overrides
-  local name="$1"; shift
-  echo "== $name (gpufleet run, GPU_2xH200)"
-  local start=$(date +%s) args=()
-  for o in "$@"; do args+=(--override "$o"); done
-  (cd "$name" && gpufleet run -f workload.yaml --watch --no-tracking --override compute.accelerator_type=GPU_2xH200 \
-     --override compute.num_accelerators=2 --override 'environment.dependencies=[]' "${args[@]}") > "$out/$name.log" 2>&1 \
-    && grep -h "RESULT " "$out/$name.log" | tail -1 || { echo "FAILED (see $out/$name.log)"; tail -20 "$out/$name.log"; }
-  echo "   wall $(( $(date +%s) - start ))s"
-}
 if selected fsdp-llama31-8b-sft; then
   build llama-8b llama '{"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192}'
   wl fsdp-llama31-8b-sft parameters.model="$out/llama-8b" parameters.train_file="$out/chat.jsonl" \

@@ -11,10 +11,7 @@
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 out="${1:-/tmp/gpufleet-gpu-smoke}"
-mkdir -p "$out"
-export HF_HUB_OFFLINE=1 PYTHONPATH="$repo/src:${PYTHONPATH:-}"
-py="${PYTHON:-python}"
-cd "$repo/recipes"
+source "$repo/recipes/_smoke/gpu_common.sh"
 
 echo "== building random-initialised models of the real architectures (scaled to fit 2 GPUs)"
 "$py" - "$out" <<'PY'
@@ -41,8 +38,6 @@ make_ratings_csv(f"{out}/ratings.csv", num_users=100000, num_items=20000, num_ra
 make_token_file(f"{out}/tokens.bin", num_tokens=20_000_000, vocab_size=8192)
 PY
 
-selected() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
-
 nb() {  # notebook, then env assignments
   local name="$1"; shift
   selected "$name" || return 0
@@ -59,17 +54,6 @@ nb trl-full-sft-zero3 MODEL="$out/llama-1b" DATA="$out/chat.jsonl" MAX_STEPS=30 
 nb lightning-two-tower DATA="$out/ratings.csv" MAX_EPOCHS=2 BATCH_SIZE=8192 EMBEDDING_DIM=128
 nb pytorch-fsdp2-transformer DATA="$out/tokens.bin" MAX_STEPS=200 CHECKPOINT_EVERY=100 BATCH_SIZE=32
 
-wl() {  # workload folder, then overrides
-  local name="$1"; shift
-  selected "$name" || return 0
-  echo "== $name (gpufleet run, GPU_2xH200)"
-  local start=$(date +%s) args=()
-  for o in "$@"; do args+=(--override "$o"); done
-  (cd "$name" && gpufleet run -f workload.yaml --watch --no-tracking --override compute.accelerator_type=GPU_2xH200 \
-     --override compute.num_accelerators=2 --override 'environment.dependencies=[]' "${args[@]}") > "$out/$name.log" 2>&1 \
-    && grep -h "RESULT " "$out/$name.log" | tail -1 || { echo "FAILED (see $out/$name.log)"; tail -20 "$out/$name.log"; }
-  echo "   wall $(( $(date +%s) - start ))s"
-}
 wl fsdp-llama31-8b-sft parameters.model="$out/llama-1b" parameters.train_file="$out/chat.jsonl" \
   parameters.output_dir="$out/llama-fsdp" parameters.max_steps=30 parameters.per_device_batch_size=4 \
   parameters.gradient_accumulation_steps=1 parameters.max_length=1024 parameters.logging_steps=5 parameters.save_steps=1000

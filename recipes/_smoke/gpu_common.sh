@@ -1,0 +1,23 @@
+# Shared by recipes/run_gpu_smoke.sh and recipes/run_gpu_full_size.sh: sourced, not run.
+# Before sourcing: repo (the checkout) and out (where logs go). Sets py, the environment and the
+# working directory (recipes/), and defines `selected NAME` and `wl FOLDER OVERRIDE...`.
+# ACCELERATOR (default GPU_2xH200) is the accelerator type the workloads are submitted with.
+mkdir -p "$out"
+export HF_HUB_OFFLINE=1 PYTHONPATH="$repo/src:${PYTHONPATH:-}"
+py="${PYTHON:-python}"
+accelerator="${ACCELERATOR:-GPU_2xH200}"
+cd "$repo/recipes" || exit 1
+
+selected() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
+
+wl() {  # a workload folder, then overrides: `gpufleet run --watch` on 2 accelerators, RESULT line or log tail
+  local name="$1"; shift
+  selected "$name" || return 0
+  echo "== $name (gpufleet run, $accelerator)"
+  local start=$(date +%s) args=()
+  for o in "$@"; do args+=(--override "$o"); done
+  (cd "$name" && gpufleet run -f workload.yaml --watch --no-tracking --override compute.accelerator_type="$accelerator" \
+     --override compute.num_accelerators=2 --override 'environment.dependencies=[]' "${args[@]}") > "$out/$name.log" 2>&1 \
+    && grep -h "RESULT " "$out/$name.log" | tail -1 || { echo "FAILED (see $out/$name.log)"; tail -20 "$out/$name.log"; }
+  echo "   wall $(( $(date +%s) - start ))s"
+}
