@@ -214,3 +214,17 @@ def test_default_store_is_sqlite_under_gpufleet_home(tmp_path, monkeypatch: pyte
 def test_default_tracking_uri_follows_gpufleet_home(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUFLEET_HOME", str(tmp_path))
     assert default_tracking_uri() == f"sqlite:///{tmp_path}/mlflow.db"
+
+
+def test_a_sqlite_store_of_the_users_keeps_artifacts_beside_the_database(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLFLOW_TRACKING_URI=sqlite:///...: no ./mlruns folder in whatever directory the run started from."""
+    store, cwd = tmp_path / "store", tmp_path / "notebooks"
+    store.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}/runs.db")
+    monkeypatch.chdir(cwd)
+    with start_tracked_run(_experiment(), "r", {"a": 1}, system_metrics=False) as run:
+        run.log_config({"a": 1})
+    artifacts = list((store / "mlartifacts").rglob("config.yaml"))
+    assert len(artifacts) == 1 and run.run_id in str(artifacts[0])
+    assert list(cwd.iterdir()) == []

@@ -290,16 +290,32 @@ def _resolve_uri(mlflow: Any, has_active_run: bool) -> tuple[str, bool]:
     return default_tracking_uri(), True
 
 
-def _get_or_create_experiment(client: Any, name: str, in_default_store: bool) -> Any:
+def _artifact_root(uri: str, in_default_store: bool) -> Path | None:
+    """Where a new experiment keeps its artifacts: next to a local SQLite database.
+
+    MLflow's own default for a SQLite store is ``./mlruns`` in the current directory, which
+    scatters artifact folders over every directory a notebook or script runs from. Other stores
+    (servers, Databricks) keep their own default.
+    """
+    if in_default_store:
+        return default_artifact_root()
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///"):].split("?", 1)[0]
+        if path and path != ":memory:":
+            return Path(path).absolute().parent / "mlartifacts"
+    return None
+
+
+def _get_or_create_experiment(client: Any, name: str, root: Path | None) -> Any:
     from mlflow.exceptions import MlflowException
 
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         return exp
     location = None
-    if in_default_store:
+    if root is not None:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:100] or "experiment"
-        location = (default_artifact_root() / safe).as_uri()
+        location = (root / safe).as_uri()
     try:
         client.create_experiment(name, artifact_location=location)
     except MlflowException:  # created by a concurrent call in the meantime
@@ -402,14 +418,14 @@ def _open_run(
             logger.debug("MLFLOW_RUN_ID=%s is not a run of %s: %s", os.environ["MLFLOW_RUN_ID"], uri, e)
 
     if experiment_name:
-        experiment = _get_or_create_experiment(client, experiment_name, in_default_store)
+        experiment = _get_or_create_experiment(client, experiment_name, _artifact_root(uri, in_default_store))
     else:
         chosen = _chosen_experiment(parent_experiment_id)
         if chosen is not None:
             experiment = client.get_experiment(chosen)
         else:
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
-            experiment = _get_or_create_experiment(client, name, in_default_store)
+            experiment = _get_or_create_experiment(client, name, _artifact_root(uri, in_default_store))
 
     all_tags: dict[str, str] = {str(k): str(v) for k, v in tags.items()}
     try:
