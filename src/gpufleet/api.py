@@ -7,6 +7,7 @@ import inspect
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -181,14 +182,24 @@ class RunHandle:
         return f"RunHandle(run_id={self.run_id!r}, status={self.status!r})"
 
 
-class _Execution:
-    """Runs attempts of one call (retries on failure) and remembers the outcome."""
+_MIN_RETRY_S = 1.0  # a retry needs at least this much of the call's timeout left
 
-    def __init__(self, start_attempt: Callable[[int], Any], max_retries: int) -> None:
+
+class _Execution:
+    """Runs attempts of one call (retries on failure) and remembers the outcome.
+
+    ``timeout`` is the whole call's: a retry gets only the time the earlier attempts left, and
+    no retry starts once it is spent.
+    """
+
+    def __init__(
+        self, start_attempt: Callable[[int, float | None], Any], max_retries: int, timeout: float | None = None
+    ) -> None:
         self._start_attempt = start_attempt
         self._max_retries = max_retries
+        self._deadline = None if timeout is None else time.monotonic() + timeout
         self.attempt = 0
-        self.current = start_attempt(0)  # the first attempt starts at once: errors surface here
+        self.current = start_attempt(0, None)  # the first attempt starts at once: errors surface here
         self.finished = threading.Event()
         self._result: list[Any] | None = None
         self._error: BaseException | None = None
@@ -209,16 +220,27 @@ class _Execution:
                         raise
                 self.attempt += 1
                 logger.warning("run %s failed; retry %d of %d", self.current.run_id, self.attempt, self._max_retries)
-                self.current = self._start_attempt(self.attempt)
+                self.current = self._start_attempt(self.attempt, self._time_left())
         except BaseException as e:
             self._error = e
             raise
         finally:
             self.finished.set()
 
+    def _time_left(self) -> float | None:
+        return None if self._deadline is None else self._deadline - time.monotonic()
+
     def _retryable(self) -> bool:
-        """A failed attempt (not a cancel or a timeout) with retries left."""
-        return not self._canceled and self.attempt < self._max_retries and self.current.status == FAILED
+        """A failed attempt (not a cancel or a timeout) with retries and time left."""
+        if self._canceled or self.attempt >= self._max_retries or self.current.status != FAILED:
+            return False
+        left = self._time_left()
+        if left is not None and left < _MIN_RETRY_S:
+            logger.warning(
+                "run %s failed and is not retried: the call's timeout leaves %.1f s", self.current.run_id, max(left, 0.0)
+            )
+            return False
+        return True
 
     def cancel(self) -> None:
         self._canceled = True
@@ -312,8 +334,8 @@ class DistributedFunction:
 
             track_remote = opts.tracking and tracking_enabled()
 
-            def start_remote_attempt(attempt: int) -> Any:
-                run = RayRun(opts, str(remote), call_bytes, name, attempt)
+            def start_remote_attempt(attempt: int, time_left: float | None) -> Any:
+                run = RayRun(opts, str(remote), call_bytes, name, attempt, time_left)
                 if track_remote:  # one MLflow run per attempt; MLflow is imported only here
                     from .tracking.launch import start_tracked_attempt
 
@@ -324,7 +346,7 @@ class DistributedFunction:
                     )
                 return run.start()
 
-            return _Execution(start_remote_attempt, opts.max_retries)
+            return _Execution(start_remote_attempt, opts.max_retries, opts.timeout)
 
         from .launch.gpus import resolve_local
         from .launch.local import LocalLaunchSpec, LocalRun, LogConfig
@@ -347,8 +369,10 @@ class DistributedFunction:
 
         track = opts.tracking and tracking_enabled()
 
-        def start_attempt(attempt: int) -> LocalRun:
+        def start_attempt(attempt: int, time_left: float | None) -> LocalRun:
             attempt_spec = replace(spec, env={**spec.env, "GPUFLEET_ATTEMPT": str(attempt)})
+            if time_left is not None:  # a retry runs in what is left of the call's timeout
+                attempt_spec = replace(attempt_spec, timeout_s=time_left, call_timeout_s=spec.timeout_s)
             if track:  # one MLflow run per attempt; MLflow is imported only here
                 from .tracking.launch import start_tracked_local_run
 
@@ -359,7 +383,7 @@ class DistributedFunction:
                 )
             return LocalRun(attempt_spec, call_bytes).start()
 
-        return _Execution(start_attempt, opts.max_retries)
+        return _Execution(start_attempt, opts.max_retries, opts.timeout)
 
     def distributed(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Run on every rank and wait; returns each rank's return value, index = global rank.

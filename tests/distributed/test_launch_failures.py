@@ -324,6 +324,25 @@ def _fail_first_attempt():
     return int(os.environ["GPUFLEET_ATTEMPT"])
 
 
+def _fail_then_hang():
+    if os.environ["GPUFLEET_ATTEMPT"] == "0":
+        time.sleep(4)
+        raise ConnectionError("transient failure")
+    time.sleep(120)
+
+
+def test_the_timeout_is_for_the_whole_call_not_for_each_retry():
+    fn = distributed(gpus=2, gpu_type="cpu", timeout=8, grace_period_s=1, max_retries=3)(_fail_then_hang)
+    started = time.monotonic()
+    with pytest.raises(DistributedTimeoutError) as info:
+        fn.distributed()
+    elapsed = time.monotonic() - started
+    # the retry got what the first attempt left of the 8 s (about 9 s in all with stopping the
+    # ranks), not 8 s more (about 13 s)
+    assert elapsed < 11.5, elapsed
+    assert "timeout of 8 s" in str(info.value)
+
+
 def test_max_retries_relaunches_after_a_failure():
     assert distributed(max_retries=1, **cpu2)(_fail_first_attempt).distributed() == [1, 1]
     with pytest.raises(ConnectionError):

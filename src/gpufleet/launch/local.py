@@ -44,6 +44,7 @@ class LocalLaunchSpec:
     use_gpus: bool
     gpu_indices: tuple[int, ...] = ()
     timeout_s: float | None = None
+    call_timeout_s: float | None = None  # the whole call's timeout when timeout_s is what a retry has left
     grace_period_s: float = 5.0
     env: dict[str, str] = field(default_factory=dict)
     runs_dir: str | None = None
@@ -117,7 +118,7 @@ class LocalRun(RankGroupRun):
     """
 
     def __init__(self, spec: LocalLaunchSpec, call_bytes: bytes) -> None:
-        super().__init__(spec.timeout_s, spec.grace_period_s)
+        super().__init__(spec.timeout_s, spec.grace_period_s, spec.call_timeout_s)
         self.spec = spec
         self.run_id = new_run_id(spec.name)
         self.run_dir = RunDir.create(spec.runs_dir, self.run_id)

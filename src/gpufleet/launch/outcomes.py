@@ -166,8 +166,9 @@ class RankGroupRun:
     run_id: str
     run_dir: RunDir
 
-    def __init__(self, timeout_s: float | None, grace_period_s: float) -> None:
-        self._timeout_s = timeout_s
+    def __init__(self, timeout_s: float | None, grace_period_s: float, call_timeout_s: float | None = None) -> None:
+        self._timeout_s = timeout_s  # this attempt's share of the call's time
+        self._call_timeout_s = timeout_s if call_timeout_s is None else call_timeout_s  # what the user set
         self._grace_period_s = grace_period_s
         self.status = PENDING
         self._failures: dict[int, RankFailure] = {}
@@ -246,7 +247,7 @@ class RankGroupRun:
         self._finalize(FAILED)
 
     def _finish_timeout(self) -> None:
-        timeout = self._timeout_s
+        timeout = self._call_timeout_s
         self._stop(
             f"still running at the timeout of {timeout:g} s (its stack at that moment is at the end of its log)",
             self._grace_period_s,

@@ -225,8 +225,12 @@ class RayRun(RankGroupRun):
     _SCHEDULE_LOG_S = 30.0
     _KIND_HEADLINES = {LOST: "a rank's Ray actor or node was lost; every other rank was stopped"}
 
-    def __init__(self, opts: LaunchOptions, address: str, call_bytes: bytes, name: str, attempt: int) -> None:
-        super().__init__(opts.timeout, opts.grace_period_s)
+    def __init__(
+        self, opts: LaunchOptions, address: str, call_bytes: bytes, name: str, attempt: int, time_left: float | None = None
+    ) -> None:
+        # time_left: what the call's timeout leaves for this attempt (a retry); None: the whole timeout
+        timeout = opts.timeout if time_left is None or opts.timeout is None else time_left
+        super().__init__(timeout, opts.grace_period_s, opts.timeout)
         self.opts = opts
         self.address = address
         self.attempt = attempt
@@ -283,7 +287,7 @@ class RayRun(RankGroupRun):
         return self
 
     def _deadline(self) -> float | None:
-        timeout = self.opts.timeout
+        timeout = self._timeout_s
         return None if timeout is None else self._started + timeout
 
     def _schedule(self) -> bool:
