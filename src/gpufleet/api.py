@@ -337,12 +337,13 @@ class DistributedFunction:
             def start_remote_attempt(attempt: int, time_left: float | None) -> Any:
                 run = RayRun(opts, str(remote), call_bytes, name, attempt, time_left)
                 if track_remote:  # one MLflow run per attempt; MLflow is imported only here
-                    from .tracking.launch import start_tracked_attempt
+                    from .tracking.launch import call_parameters, start_tracked_attempt
 
                     return start_tracked_attempt(
                         run, launcher="ray", function_name=getattr(self.func, "__qualname__", name),
                         gpus=opts.gpus, gpu_type=opts.gpu_type, experiment_name=opts.experiment_name,
                         attempt=attempt, max_retries=opts.max_retries, timeout=opts.timeout,
+                        arguments=call_parameters(self._signature, args, kwargs),
                     )
                 return run.start()
 
@@ -374,12 +375,13 @@ class DistributedFunction:
             if time_left is not None:  # a retry runs in what is left of the call's timeout
                 attempt_spec = replace(attempt_spec, timeout_s=time_left, call_timeout_s=spec.timeout_s)
             if track:  # one MLflow run per attempt; MLflow is imported only here
-                from .tracking.launch import start_tracked_local_run
+                from .tracking.launch import call_parameters, start_tracked_local_run
 
                 return start_tracked_local_run(
                     LocalRun(attempt_spec, call_bytes), function_name=getattr(self.func, "__qualname__", name),
                     gpus=opts.gpus, gpu_type=opts.gpu_type, experiment_name=opts.experiment_name,
                     attempt=attempt, max_retries=opts.max_retries, timeout=opts.timeout,
+                    arguments=call_parameters(self._signature, args, kwargs),
                 )
             return LocalRun(attempt_spec, call_bytes).start()
 

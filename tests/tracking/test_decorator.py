@@ -238,3 +238,36 @@ def test_the_data_loader_reports_its_wait_to_the_call_run(client: MlflowClient) 
     history = client.get_metric_history(handle.mlflow_run_id, "data/wait_seconds")
     assert history, "rank 0's loader logged no data/wait_seconds"
     assert all(m.value >= 0.05 for m in history)  # 2 samples x 30 ms per batch
+
+
+class Blob:
+    """An argument MLflow cannot show: logged as its type."""
+
+
+def configured(steps: int, lr: float = 1e-3, cfg: dict | None = None, data: object = None, **extra: object) -> int:
+    return steps
+
+
+def test_the_calls_arguments_are_the_runs_parameters(client: MlflowClient) -> None:
+    exp = _experiment()
+    f = distributed(configured, experiment_name=exp, **CPU)
+    handle = f.submit(5, cfg={"layers": 2, "name": "tiny"}, data=Blob(), note="first try")
+    assert handle.result(timeout=120) == [5, 5]
+    params = _runs(client, exp)[0].data.params
+    assert params["args.steps"] == "5" and params["args.lr"] == "0.001"  # defaults too
+    assert params["args.cfg.layers"] == "2" and params["args.cfg.name"] == "tiny"
+    assert params["args.data"] == "<tests.tracking.test_decorator.Blob>"
+    assert params["args.note"] == "first try"  # **kwargs by their own names
+
+
+def test_call_parameters_keep_small_values_and_name_the_type_of_the_rest() -> None:
+    import inspect
+    from pathlib import Path
+
+    from gpufleet.tracking.launch import call_parameters
+
+    def fn(path, sizes, *rest, big=None):
+        return None
+
+    got = call_parameters(inspect.signature(fn), (Path("/data/x"), (1, 2), "a"), {"big": list(range(1000))})
+    assert got == {"args.path": "/data/x", "args.sizes": [1, 2], "args.rest": ["a"], "args.big": "<builtins.list>"}

@@ -9,8 +9,11 @@ take extra rank environment with ``add_env`` before their ranks start.
 
 from __future__ import annotations
 
+import inspect
+import os
 import threading
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
 from .runs import TrackedRun, start_tracked_run
@@ -69,9 +72,45 @@ class TrackedAttempt:
 TrackedLocalRun = TrackedAttempt  # the name it had while only local runs were tracked
 
 
+_MAX_ITEMS = 50  # longer lists/dicts among the arguments are logged as their type only
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """A value MLflow can show as a parameter: scalars and small containers as they are, else the type."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if depth < 3 and isinstance(value, Mapping) and len(value) <= _MAX_ITEMS:
+        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
+    if depth < 3 and isinstance(value, (list, tuple)) and len(value) <= _MAX_ITEMS:
+        return [_plain(v, depth + 1) for v in value]
+    kind = type(value)
+    return f"<{kind.__module__}.{kind.__qualname__}>"
+
+
+def call_parameters(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments (defaults included) as ``args.<name>`` parameters.
+
+    Numbers, strings, paths and small lists/dicts of them are logged as they are (dicts become
+    ``args.<name>.<key>``); anything else (a tensor, a dataset, a model) as its type name.
+    """
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    values: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            values.update({str(k): _plain(v) for k, v in value.items()})
+        else:
+            values[name] = _plain(list(value) if kind is inspect.Parameter.VAR_POSITIONAL else value)
+    return {f"args.{name}": value for name, value in values.items()}
+
+
 def start_tracked_attempt(
     run: Any, *, launcher: str, function_name: str, gpus: int | None, gpu_type: str | None,
     experiment_name: str | None, attempt: int, max_retries: int, timeout: float | None,
+    arguments: Mapping[str, Any] | None = None,
 ) -> Any:
     """Open an MLflow run for a not yet started run, start it, and wrap it.
 
@@ -92,6 +131,7 @@ def start_tracked_attempt(
         attempt: the attempt number (0 for the first).
         max_retries: the call's ``max_retries``.
         timeout: the call's timeout in seconds, or None.
+        arguments: the call's arguments as parameters (:func:`call_parameters`), or None.
     """
     params: dict[str, Any] = {
         "gpufleet.function": function_name,
@@ -101,6 +141,7 @@ def start_tracked_attempt(
     if launcher == "local":
         params.update({"gpufleet.world_size": run.num_ranks, "gpufleet.num_nodes": 1})
     params.update({"gpufleet.attempt": attempt, "gpufleet.max_retries": max_retries, "gpufleet.timeout_s": timeout})
+    params.update(arguments or {})
     tracked = start_tracked_run(
         experiment_name,
         run.run_id,
