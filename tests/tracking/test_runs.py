@@ -228,3 +228,23 @@ def test_a_sqlite_store_of_the_users_keeps_artifacts_beside_the_database(tmp_pat
     artifacts = list((store / "mlartifacts").rglob("config.yaml"))
     assert len(artifacts) == 1 and run.run_id in str(artifacts[0])
     assert list(cwd.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("uri", "hosts", "warned"),
+    [
+        ("sqlite:////home/me/.gpufleet/mlflow.db", ["10.0.0.1", "10.0.0.2"], True),
+        ("file:///tmp/mlruns", ["10.0.0.1", "10.0.0.2"], True),
+        ("/tmp/mlruns", ["10.0.0.1", "10.0.0.2"], True),
+        ("sqlite:////home/me/.gpufleet/mlflow.db", ["10.0.0.1"], False),  # several raylets, one host
+        ("http://mlflow.internal:5000", ["10.0.0.1", "10.0.0.2"], False),
+        ("databricks", ["10.0.0.1", "10.0.0.2"], False),
+    ],
+)
+def test_a_file_store_is_flagged_for_a_ray_cluster_of_several_hosts(uri: str, hosts: list[str], warned: bool) -> None:
+    from gpufleet.tracking.launch import local_store_warning
+
+    message = local_store_warning(uri, hosts)
+    assert (message is not None) == warned
+    if warned:
+        assert uri in message and "10.0.0.2" in message and "MLFLOW_TRACKING_URI" in message

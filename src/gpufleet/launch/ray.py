@@ -263,6 +263,13 @@ class RayRun(RankGroupRun):
         """How many Ray nodes the ranks were placed on; None until they are placed."""
         return len(set(self.node_ids)) if self.node_ids else None
 
+    @property
+    def cluster_hosts(self) -> list[str]:
+        """The addresses of the cluster's live nodes, once :meth:`start` has connected."""
+        if self._ray is None:
+            return []
+        return sorted({n["NodeManagerAddress"] for n in self._ray.nodes() if n.get("Alive")})
+
     def add_env(self, env: dict[str, str]) -> None:
         """Add ``env`` to every rank's environment; only before the ranks start in :meth:`wait`."""
         self._env.update(env)

@@ -13,6 +13,7 @@ import inspect
 import os
 import threading
 import traceback
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -107,6 +108,20 @@ def call_parameters(signature: inspect.Signature, args: tuple[Any, ...], kwargs:
     return {f"args.{name}": value for name, value in values.items()}
 
 
+def local_store_warning(uri: str, hosts: list[str]) -> str | None:
+    """Why a file-based tracking store does not suit a Ray cluster of several hosts, or None."""
+    is_file = uri.startswith(("sqlite:", "file:")) or ("://" not in uri and not uri.startswith("databricks"))
+    if len(hosts) < 2 or not is_file:
+        return None
+    shown = ", ".join(hosts[:4]) + (", ..." if len(hosts) > 4 else "")
+    return (
+        f"the MLflow tracking store {uri} is a file on this machine, but the Ray cluster spans "
+        f"{len(hosts)} hosts ({shown}): what ranks on other hosts log goes to a file there, not to "
+        "this run. Set MLFLOW_TRACKING_URI to an MLflow server every node reaches (for example "
+        "http://<host>:5000), or pass tracking=False."
+    )
+
+
 def start_tracked_attempt(
     run: Any, *, launcher: str, function_name: str, gpus: int | None, gpu_type: str | None,
     experiment_name: str | None, attempt: int, max_retries: int, timeout: float | None,
@@ -164,6 +179,9 @@ def start_tracked_attempt(
     if launcher == "local":
         return TrackedAttempt(run, tracked)
     tracked.log_params({"gpufleet.world_size": run.num_ranks})
+    problem = local_store_warning(tracked.tracking_uri or "", run.cluster_hosts)
+    if problem:
+        warnings.warn(problem, RuntimeWarning, stacklevel=2)
     return TrackedAttempt(run, tracked, log_num_nodes=True)
 
 
