@@ -135,9 +135,7 @@ def as_original_exception(group: WorkerGroupError) -> BaseException:
     if not isinstance(exc, Exception):  # SystemExit/KeyboardInterrupt must not end the caller
         return group
     exc.__cause__ = RemoteTraceback(rc.traceback)
-    note = f"gpufleet: raised on rank {rc.rank}\n{group.summary()}"
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
+    exc.add_note(f"gpufleet: raised on rank {rc.rank}\n{group.summary()}")  # Python >= 3.11
     try:
         exc.gpufleet_error = group  # type: ignore[attr-defined]
         exc.gpufleet_rank = rc.rank  # type: ignore[attr-defined]
