@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,42 @@ def test_torchrun_once_per_node(two_nodes, tmp_path: Path, monkeypatch, capsys) 
     assert wait_no_processes(run_id) == []
     store = RunStore(home)
     assert store.get(run_id).state == "SUCCESS"
+
+
+FAIL_ON_NODE_1 = textwrap.dedent(
+    """
+    if [ "$NODE_RANK" = "1" ]; then echo "node 1 gives up" >&2; exit 3; fi
+    sleep 300 & echo $! > "$MARKER_DIR/node$NODE_RANK.pid"; wait
+    """
+)
+
+
+def test_a_failing_node_stops_the_others_and_fails_the_run(two_nodes, tmp_path: Path, monkeypatch, capsys) -> None:
+    import psutil
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("GPUFLEET_HOME", str(home))
+    code = tmp_path / "project"
+    code.mkdir()
+    write_workload(
+        code,
+        experiment_name="two-nodes-fail",
+        compute={"accelerator_type": "CPU_1", "num_accelerators": 2, "cluster": two_nodes.address},
+        code_source={"root_path": "."},
+        command=FAIL_ON_NODE_1,
+        env_variables={"MARKER_DIR": str(tmp_path)},
+        max_retries=0,
+    )
+    started = time.monotonic()
+    rc, out, err = cli(capsys, "run", "-f", str(code / "workload.yaml"), "--watch", "--no-tracking")
+    elapsed = time.monotonic() - started
+    assert rc != 0
+    assert elapsed < 60, f"node 0 was not stopped when node 1 failed ({elapsed:.0f} s)"
+    run_id = out.splitlines()[0]
+    run = cli_json(capsys, "get", run_id)
+    assert run["state"] == "FAILED"
+    assert "node 1" in (out + err) and "code 3" in (out + err)
+    sleeper = tmp_path / "node0.pid"
+    if sleeper.exists():  # node 0 had started its command: it must be gone
+        assert not psutil.pid_exists(int(sleeper.read_text())) or psutil.Process(int(sleeper.read_text())).status() == psutil.STATUS_ZOMBIE
+    assert wait_no_processes(run_id) == []

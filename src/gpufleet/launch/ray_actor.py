@@ -193,4 +193,8 @@ class NodeCommand(ChildProcess):
             path = self.dir / name.lower()
             path.write_bytes(data)
             full_env[name] = str(path)
-        return self._spawn(["bash", "-c", command], full_env, cwd)
+        # The guard leads the command's process group and stops it if this actor dies (a killed
+        # actor or raylet would otherwise leave the command running on the node). Run by path: it
+        # needs nothing but the standard library.
+        guard = str(Path(__file__).resolve().parent.parent / "workload" / "guard.py")
+        return self._spawn([sys.executable, guard, "--", "bash", "-c", command], full_env, cwd)

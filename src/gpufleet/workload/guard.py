@@ -51,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             pass
         if os.getppid() != parent:  # the supervisor died: we were re-parented
-            print("gpufleet: the run's supervisor died; stopping this node", file=sys.stderr, flush=True)
+            try:  # stderr may be a pipe to the dead parent (a Ray actor): never let that stop us
+                print("gpufleet: the run's supervisor died; stopping this node", file=sys.stderr, flush=True)
+            except OSError:
+                pass
             _stop_group()
             return 1
     return code if code >= 0 else 128 - code

@@ -1,0 +1,57 @@
+"""A multi-node workload's node command dies with the Ray actor that started it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+
+ACTOR = textwrap.dedent(
+    """
+    import sys, time
+    from gpufleet.launch.ray_actor import NodeCommand
+
+    node = NodeCommand("guard-test", 0)
+    node.start("sleep 300 & echo $! > " + sys.argv[1] + "; wait", {}, sys.argv[2], {})
+    print("started", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _pid_from(marker: Path, timeout: float = 20.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if marker.exists() and marker.read_text().strip():
+            return int(marker.read_text())
+        time.sleep(0.05)
+    raise AssertionError("the node command did not start")
+
+
+def test_the_node_command_stops_when_its_actor_process_is_killed(tmp_path: Path) -> None:
+    script, marker = tmp_path / "actor.py", tmp_path / "sleep.pid"
+    script.write_text(ACTOR)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"), os.environ.get("PYTHONPATH", "")])}
+    actor = subprocess.Popen([sys.executable, str(script), str(marker), str(tmp_path)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert actor.stdout is not None and actor.stdout.readline().strip() == "started"
+        sleeper = psutil.Process(_pid_from(marker))
+        assert sleeper.is_running()
+        actor.send_signal(signal.SIGKILL)  # as when Ray kills the actor or its raylet dies
+        actor.wait()
+        gone, alive = psutil.wait_procs([sleeper], timeout=10)
+        assert not alive, "the node's command kept running after its actor was killed"
+    finally:
+        actor.kill()
+        actor.wait()
+        try:
+            psutil.Process(int(marker.read_text())).kill()
+        except (psutil.Error, ValueError, FileNotFoundError):
+            pass
