@@ -81,7 +81,7 @@ def collect() -> dict[str, Any]:
     home = gpufleet_home()
     home_ok = _writable(home)
     checks = []
-    checks.append((OK if sys.version_info >= (3, 10) else FAIL, f"Python {platform.python_version()}"))
+    checks.append((OK if sys.version_info >= (3, 11) else FAIL, f"Python {platform.python_version()}"))
     checks.append((torch_info["status"], _torch_line(torch_info)))
     if gpus:
         names = sorted({g["name"] for g in gpus})

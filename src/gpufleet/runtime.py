@@ -102,7 +102,8 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> Any:
     Args:
         backend: ``None`` picks ``nccl`` when CUDA is available and ``gloo`` otherwise.
             Pass ``"cpu:gloo,cuda:nccl"`` when CPU collectives are needed beside NCCL
-            (asynchronous checkpoints), or any backend string torch accepts.
+            (asynchronous checkpoints), or any backend string torch accepts. On CPU workers
+            the ``cuda:`` part of such a string is dropped, so the same code runs there.
         timeout_s: collective timeout in seconds (torch's default when ``None``).
 
     Returns:
@@ -122,6 +123,10 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> Any:
         return dev
     if backend is None:
         backend = "nccl" if dev.type == "cuda" else "gloo"
+    elif dev.type != "cuda" and ":" in backend:
+        # "cpu:gloo,cuda:nccl" written for GPUs: on CPU workers only the CPU part applies
+        cpu_parts = [part for part in backend.split(",") if not part.strip().startswith("cuda:")]
+        backend = ",".join(cpu_parts) or "gloo"
     kwargs: dict[str, Any] = {"backend": backend}
     if timeout_s is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)

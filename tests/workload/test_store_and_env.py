@@ -130,3 +130,22 @@ def test_dependencies_install_into_a_cached_layered_environment(
     rc, out, err = cli(capsys, "run", "-f", str(plain), "--watch", "--no-tracking")
     assert rc == 1 and "ModuleNotFoundError" in out
     wait_state(store, out.splitlines()[0])
+
+
+def test_list_limits_newest_first_and_filters(store: RunStore, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    now = time.time()
+    for i, (state, experiment) in enumerate([("SUCCESS", "a"), ("FAILED", "a"), ("SUCCESS", "b"), ("TIMEDOUT", "b")]):
+        _record(store, f"run-{i}", state=state, experiment=experiment, created_at=now + i)
+
+    def listed(*argv: str) -> list[str]:
+        rc, out, err = cli(capsys, "list", "--all-status", *argv, "-o", "json")
+        assert rc == 0, err
+        return [r["id"] for r in json.loads(out)]
+
+    assert listed() == ["run-3", "run-2", "run-1", "run-0"]
+    assert listed("--limit", "2") == ["run-3", "run-2"]
+    assert listed("--filter", "state=FAILED,TIMEDOUT") == ["run-3", "run-1"]
+    assert listed("--filter", "experiment=a", "--filter", "state=SUCCESS") == ["run-0"]
+    assert listed("--filter", "id=run-2") == ["run-2"]

@@ -1,0 +1,60 @@
+"""runtime.barrier() and runtime.setup() as a user's training code calls them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+from gpufleet import distributed, runtime
+
+
+def _arrive_then_leave(delay_s: float) -> tuple[float, float]:
+    runtime.setup()
+    if runtime.get_global_rank() == 1:
+        time.sleep(delay_s)
+    arrived = time.time()
+    runtime.barrier()
+    return arrived, time.time()
+
+
+def test_barrier_holds_every_rank_until_the_last_arrives():
+    (arrived0, left0), (arrived1, left1) = distributed(gpus=2, gpu_type="cpu")(_arrive_then_leave).distributed(1.5)
+    assert arrived1 - arrived0 > 1.0  # rank 1 came late ...
+    assert left0 >= arrived1  # ... and rank 0 waited for it
+
+
+def _collective_backends() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    dev = runtime.setup(backend="cpu:gloo,cuda:nccl")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return {"device": str(dev), "sum": t.item(), "backend": str(dist.get_backend())}
+
+
+def test_a_gpu_backend_string_runs_unchanged_on_cpu_workers():
+    # "cpu:gloo,cuda:nccl" (written for async checkpoints on GPUs) on a torch without NCCL
+    results = distributed(gpus=2, gpu_type="cpu")(_collective_backends).distributed()
+    assert [r["sum"] for r in results] == [2.0, 2.0]
+    assert all(r["device"] == "cpu" and "gloo" in r["backend"] for r in results)
+
+
+def test_setup_outside_a_launch_is_a_one_rank_group_and_barrier_a_no_op():
+    code = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        from gpufleet import runtime
+        runtime.barrier()  # no group yet: nothing to wait for
+        dev = runtime.setup()
+        t = torch.full((1,), 3.0)
+        dist.all_reduce(t)
+        runtime.barrier()
+        print(dev, dist.get_world_size(), runtime.get_global_rank(), t.item())
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["cpu", "1", "0", "3.0"]
