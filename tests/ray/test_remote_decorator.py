@@ -101,6 +101,10 @@ def test_remote_call_is_tracked_in_mlflow(two_nodes, tmp_path, monkeypatch):
     assert run.info.status == "FINISHED" and run.data.tags["gpufleet.status"] == "SUCCESS"
     assert run.data.tags["gpufleet.launcher"] == "ray"
     assert run.data.params["gpufleet.world_size"] == "2" and run.data.params["gpufleet.num_nodes"] == "2"
+    # system metrics come from each node the ranks ran on, not from the caller's machine
+    system = {k for k in run.data.metrics if k.startswith("system/")}
+    assert {k.split("/")[1] for k in system} == {"node0", "node1"}, system
+    assert "system/node1/cpu_utilization_percentage" in system
     logs = sorted(a.path for a in client.list_artifacts(run_id, "logs"))
     assert logs == ["logs/rank-0.log", "logs/rank-1.log"]
     text = (client.download_artifacts(run_id, "logs/rank-1.log", str(tmp_path / "dl")))

@@ -104,3 +104,28 @@ def test_a_failing_node_stops_the_others_and_fails_the_run(two_nodes, tmp_path: 
     if sleeper.exists():  # node 0 had started its command: it must be gone
         assert not psutil.pid_exists(int(sleeper.read_text())) or psutil.Process(int(sleeper.read_text())).status() == psutil.STATUS_ZOMBIE
     assert wait_no_processes(run_id) == []
+
+
+def test_a_tracked_workload_gets_system_metrics_from_each_node(two_nodes, tmp_path: Path, monkeypatch, capsys) -> None:
+    import os
+
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.delenv("GPUFLEET_TRACKING", raising=False)
+    monkeypatch.setenv("GPUFLEET_HOME", str(tmp_path / "home"))
+    code = tmp_path / "project"
+    code.mkdir()
+    write_workload(
+        code,
+        experiment_name="two-nodes-tracked",
+        compute={"accelerator_type": "CPU_1", "num_accelerators": 2, "cluster": two_nodes.address},
+        code_source={"root_path": "."},
+        command='echo "node $NODE_RANK logs into $MLFLOW_RUN_ID"; sleep 1\n',
+    )
+    rc, out, err = cli(capsys, "run", "-f", str(code / "workload.yaml"), "--watch")
+    assert rc == 0, out + err
+    run = cli_json(capsys, "get", out.splitlines()[0])
+    mlflow_run_id = run["attempts"][0]["mlflow_run_id"]
+    assert f"node 1 logs into {mlflow_run_id}" in out
+    metrics = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(mlflow_run_id).data.metrics
+    system = {k for k in metrics if k.startswith("system/")}
+    assert {k.split("/")[1] for k in system} == {"node0", "node1"}, system

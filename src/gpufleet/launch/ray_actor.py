@@ -55,6 +55,22 @@ class ChildProcess:
         self._dropped = 0
         self._cond = threading.Condition()
         self._pumps: list[threading.Thread] = []
+        self._sampler: Any = None  # this node's system metrics, when this actor samples them
+
+    def _sample_node(self, env: dict[str, str], node_id: str) -> None:
+        """Log this node's GPU/CPU/RAM into the tracked run while the child runs."""
+        if not env.get("MLFLOW_RUN_ID"):
+            return
+        try:
+            from ..tracking.system_metrics import start_node_sampler
+        except ImportError:
+            return
+        self._sampler = start_node_sampler(env, node_id)
+
+    def _stop_sampling(self) -> None:
+        sampler, self._sampler = self._sampler, None
+        if sampler is not None:
+            sampler.stop()
 
     def node_info(self) -> dict[str, Any]:
         """Where this actor runs: Ray node id, node address, host name and process id."""
@@ -107,6 +123,7 @@ class ChildProcess:
         if code is not None:
             for t in self._pumps:  # the last lines before the exit
                 t.join(2.0)
+            self._stop_sampling()
         outcome = self._outcome()
         with self._cond:
             lines, self._lines = self._lines, []
@@ -126,6 +143,7 @@ class ChildProcess:
         if self._proc is not None:
             _stop_tree(self._proc, grace_period_s)
             self._proc.wait()
+        self._stop_sampling()
         last = self.poll(0.0)
         shutil.rmtree(self.dir, ignore_errors=True)
         return last
@@ -155,7 +173,10 @@ class RankProcess(ChildProcess):
         full_env[PARENT_PID_ENV] = str(os.getpid())
         full_env["GPUFLEET_RUN_DIR"] = str(self.dir)
         argv = [sys.executable, "-m", "gpufleet.launch.worker", str(self.dir), str(self.rank)]
-        return self._spawn(argv, full_env, os.getcwd())
+        pid = self._spawn(argv, full_env, os.getcwd())
+        if env.get("LOCAL_RANK") == "0":  # one sampler per node: its first rank's actor
+            self._sample_node(full_env, f"node{env.get('NODE_RANK', '0')}")
+        return pid
 
     def _outcome(self) -> dict[str, Any] | None:
         if self._outcome_sent:
@@ -170,6 +191,7 @@ class NodeCommand(ChildProcess):
 
     def __init__(self, run_id: str, node_rank: int) -> None:
         super().__init__(f"gpufleet-{run_id}-node{node_rank}-")
+        self.node_rank = node_rank
 
     def start(self, command: str, env: dict[str, str], cwd: str, files: dict[str, bytes]) -> int:
         """Run ``bash -c command`` in ``cwd`` with ``env`` on top of this node's environment.
@@ -197,4 +219,6 @@ class NodeCommand(ChildProcess):
         # actor or raylet would otherwise leave the command running on the node). Run by path: it
         # needs nothing but the standard library.
         guard = str(Path(__file__).resolve().parent.parent / "workload" / "guard.py")
-        return self._spawn([sys.executable, guard, "--", "bash", "-c", command], full_env, cwd)
+        pid = self._spawn([sys.executable, guard, "--", "bash", "-c", command], full_env, cwd)
+        self._sample_node(full_env, f"node{self.node_rank}")
+        return pid

@@ -161,6 +161,7 @@ def start_tracked_attempt(
         experiment_name,
         run.run_id,
         params=params,
+        system_metrics=launcher == "local",  # on Ray each node samples itself (launch/ray_actor.py)
         tags={
             "gpufleet.run_id": run.run_id,
             "gpufleet.run_dir": str(run.run_dir.path),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,24 @@ def sampling_interval(interval_s: float | None = None) -> float:
             return value
         logger.warning("%s=%r is not a positive number; using %g s", INTERVAL_ENV, raw, DEFAULT_INTERVAL_S)
     return DEFAULT_INTERVAL_S
+
+
+def start_node_sampler(env: Mapping[str, str], node_id: str) -> SystemMetricsSampler | None:
+    """Sample this node into the run named by ``env`` (``MLFLOW_RUN_ID``, ``MLFLOW_TRACKING_URI``).
+
+    Used on each node of a Ray run, where the caller's machine is not where training happens.
+    Returns None (after a warning when something went wrong) when the run is not tracked.
+    """
+    run_id, uri = env.get("MLFLOW_RUN_ID"), env.get("MLFLOW_TRACKING_URI")
+    if not run_id or not uri or env.get("GPUFLEET_TRACKING", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        sampler = SystemMetricsSampler(run_id, uri, node_id=node_id)
+        sampler.start()
+    except Exception as e:  # noqa: BLE001 - metrics must never stop a run
+        logger.warning("system metrics of %s are not logged for MLflow run %s: %s", node_id, run_id, e)
+        return None
+    return sampler
 
 
 class SystemMetricsSampler:

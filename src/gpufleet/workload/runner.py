@@ -251,6 +251,7 @@ def _tracked_run(config: WorkloadConfig, run_id: str, attempt: int, enabled: boo
         params=config.parameters,
         enabled=True,
         tags={"gpufleet.run_id": run_id, "gpufleet.attempt": attempt, "gpufleet.source": "workload"},
+        system_metrics=not needs_cluster(config),  # on Ray each node samples itself (launch/ray_actor.py)
     )
 
 
