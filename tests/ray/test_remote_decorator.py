@@ -79,6 +79,21 @@ def _mlflow_env() -> dict[str, str | None]:
     return {k: os.environ.get(k) for k in ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI")}
 
 
+def _world() -> int:
+    from gpufleet import runtime
+
+    return runtime.get_world_size()
+
+
+def test_remote_true_takes_the_address_from_ray_address(two_nodes, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", two_nodes.address)
+    f = distributed(_world, gpus=2, gpu_type="cpu", remote=True, runs_dir=str(tmp_path), stream_logs=False, timeout=120)
+    assert f.distributed() == [2, 2]
+    monkeypatch.delenv("RAY_ADDRESS")
+    with pytest.raises(errors.LaunchConfigError, match="remote=True needs a Ray cluster address in RAY_ADDRESS"):
+        f.distributed()
+
+
 def test_remote_call_is_tracked_in_mlflow(two_nodes, tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow")
     monkeypatch.delenv("GPUFLEET_TRACKING", raising=False)
