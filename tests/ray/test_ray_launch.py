@@ -92,3 +92,16 @@ def test_driver_error_keeps_its_type_and_stops_ray(tmp_path):
     )
     with pytest.raises(LookupError, match="missing-column"):
         f.distributed()
+
+
+def _cluster_cpus() -> float:
+    import ray
+
+    return ray.cluster_resources()["CPU"]
+
+
+def test_remote_uses_the_existing_cluster_and_says_gpus_are_not_used(two_nodes, tmp_path):
+    f = ray_launch(_cluster_cpus, remote=two_nodes.address, runs_dir=str(tmp_path / "runs"), timeout=120)
+    assert f.distributed() == [2.0]  # the two 1-CPU raylets of the existing cluster
+    with pytest.warns(UserWarning, match=r"gpus=2 and gpu_type='H100' are not used"):
+        ray_launch(_cluster_cpus, gpus=2, gpu_type="H100", remote=two_nodes.address)

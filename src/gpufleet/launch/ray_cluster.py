@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -99,8 +100,15 @@ class RayDriverEntry:
 
         if runtime.get_global_rank() != 0:
             return None  # rank 0's head owns this node's GPUs; nothing to do here
-        if os.environ.get("GPUFLEET_RAY_REMOTE"):
-            return self._driver_func(*args, **kwargs)  # RAY_ADDRESS points at an existing cluster
+        if os.environ.get("GPUFLEET_RAY_REMOTE"):  # RAY_ADDRESS points at an existing cluster
+            import ray
+
+            # connected as with a cluster started here, so the same driver code runs either way
+            ray.init(address=os.environ["RAY_ADDRESS"], **{"log_to_driver": True, **self._driver_init_kwargs})
+            try:
+                return self._driver_func(*args, **kwargs)
+            finally:
+                ray.shutdown()
         return self._drive(args, kwargs)
 
     def _head_command(self, port: int) -> list[str]:
@@ -181,7 +189,9 @@ def ray_launch(
     Args:
         gpus: GPUs (or CPU workers) the cluster gets.
         gpu_type: as for ``@distributed``; ``"cpu"`` for a CPU-only cluster.
-        remote: ``False`` starts a cluster here; a Ray address uses that cluster.
+        remote: ``False`` starts a cluster here; a Ray address uses that cluster: then only the
+            driver runs here (on the CPU) and ``gpus``/``gpu_type`` are not used (a warning
+            says so when they are given).
         timeout: seconds for the whole call, ``None`` for no limit.
         ray_start_args: extra ``ray start`` flags for the head, e.g.
             ``["--object-store-memory=200000000"]``.
@@ -204,6 +214,14 @@ def ray_launch(
                     "remote=True needs a Ray cluster address in RAY_ADDRESS; or pass remote='ray://host:10001'"
                 )
         if address:
+            if gpus is not None or gpu_type not in (None, "cpu"):
+                warnings.warn(
+                    f"ray_launch(remote=...) runs only the driver here, on the CPU, and its Ray jobs use "
+                    f"what the cluster at {address} has: gpus={gpus!r} and gpu_type={gpu_type!r} are not "
+                    "used (ask for GPUs in the Ray job itself, e.g. ScalingConfig(use_gpu=True))",
+                    UserWarning,
+                    stacklevel=3,
+                )
             env = {**dict(options.pop("env", {}) or {}), "RAY_ADDRESS": str(address), "GPUFLEET_RAY_REMOTE": "1"}
             return distributed(entry, gpus=1, gpu_type="cpu", remote=False, timeout=timeout, env=env, **options)
         return distributed(entry, gpus=gpus, gpu_type=gpu_type, remote=False, timeout=timeout, **options)
