@@ -184,7 +184,7 @@ def test_lost_node_fails_clearly_and_leaves_nothing(two_nodes, tmp_path):
     lost_node = two_nodes.worker.node_id[:12]
     root = info.value.root_cause
     assert root is not None and root.kind == "lost"
-    assert f"node {lost_node}" in root.message and "was lost" in root.message
+    assert f"node {lost_node}" in root.message and "was lost" in root.message, (lost_node, info.value.summary())
     others = [f for r, f in info.value.failures.items() if r != root.rank]
     assert [f.kind for f in others] == ["stopped"], info.value.summary()
     assert handle.status == "FAILED"

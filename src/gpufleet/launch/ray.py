@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RayRun", "start_ray_run", "ray_launch", "connect", "import_ray"]
 
+_NODE_DEATH_WAIT_S = 30.0  # how long a dead actor's node may take to be marked dead (Ray health checks)
 LOST = "lost"  # the rank's Ray actor died (its node was lost, or the actor was killed)
 
 _connected_address: str | None = None
@@ -493,11 +494,25 @@ class RayRun(RankGroupRun):
             return False
         return alive.get(node, False) if node else True
 
+    def _node_dies_soon(self, rank: int, within_s: float = _NODE_DEATH_WAIT_S) -> bool:
+        """Whether the rank's node is, or within ``within_s`` is marked, dead by the cluster.
+
+        An actor on a node that went away often fails (socket closed) a few seconds before the
+        cluster marks the node dead; waiting that long tells a lost node from a dead actor.
+        """
+        deadline = time.monotonic() + within_s
+        while True:
+            if not self._node_alive(rank):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
+
     def _lost(self, rank: int, error: BaseException) -> RankFailure:
         node = self.node_ids[rank] if rank < len(self.node_ids) else "?"
         where = f"node {node[:12]}"
-        node_died = "node" in str(error).lower() and "died" in str(error).lower()
-        if node_died or not self._node_alive(rank):
+        node_died = "node" in str(error).lower() and "died" in str(error).lower() or self._node_dies_soon(rank)
+        if node_died:
             reason = f"its Ray node ({where}) was lost"
         elif rank in self._unreachable_since:
             waited = time.monotonic() - self._unreachable_since[rank]
