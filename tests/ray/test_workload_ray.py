@@ -119,13 +119,14 @@ def test_a_tracked_workload_gets_system_metrics_from_each_node(two_nodes, tmp_pa
         experiment_name="two-nodes-tracked",
         compute={"accelerator_type": "CPU_1", "num_accelerators": 2, "cluster": two_nodes.address},
         code_source={"root_path": "."},
-        command='echo "node $NODE_RANK logs into $MLFLOW_RUN_ID"; sleep 1\n',
+        command='echo "node $NODE_RANK logs into $MLFLOW_RUN_ID; snapshot shipped=$GPUFLEET_SHIPPED_CODE"; sleep 1\n',
     )
     rc, out, err = cli(capsys, "run", "-f", str(code / "workload.yaml"), "--watch")
     assert rc == 0, out + err
     run = cli_json(capsys, "get", out.splitlines()[0])
     mlflow_run_id = run["attempts"][0]["mlflow_run_id"]
-    assert f"node 1 logs into {mlflow_run_id}" in out
+    # the code snapshot also travelled as the Ray job's working_dir (used where the run folder is missing)
+    assert f"node 1 logs into {mlflow_run_id}; snapshot shipped=1" in out
     metrics = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(mlflow_run_id).data.metrics
     system = {k for k in metrics if k.startswith("system/")}
     assert {k.split("/")[1] for k in system} == {"node0", "node1"}, system

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 ACTOR = textwrap.dedent(
     """
@@ -55,3 +56,29 @@ def test_the_node_command_stops_when_its_actor_process_is_killed(tmp_path: Path)
             psutil.Process(int(marker.read_text())).kill()
         except (psutil.Error, ValueError, FileNotFoundError):
             pass
+
+
+def test_a_node_without_the_run_folder_runs_in_the_code_ray_shipped(tmp_path: Path, monkeypatch) -> None:
+    """No shared storage: the run's code folder is missing on the node, Ray's copy is used."""
+    from gpufleet.launch.ray_actor import SHIPPED_CODE_ENV, NodeCommand
+
+    shipped = tmp_path / "ray-working-dir"  # where Ray unpacks runtime_env working_dir
+    shipped.mkdir()
+    (shipped / "train.py").write_text("print('hello from the snapshot')\n")
+    monkeypatch.chdir(shipped)
+    missing = str(tmp_path / "home-on-the-submitter" / "runs" / "r1" / "code")
+    node = NodeCommand("shipped-test", 1)
+    with pytest.raises(FileNotFoundError, match="is not on node .*storage every node mounts"):
+        node.start("true", {}, missing, {})  # without a shipped copy: the clear error
+    monkeypatch.setenv(SHIPPED_CODE_ENV, "1")
+    node.start(f'pwd; echo "code=$CODE_SOURCE_PATH"; {sys.executable} train.py', {"CODE_SOURCE_PATH": missing}, missing, {})
+    out, deadline = b"", time.monotonic() + 30
+    while time.monotonic() < deadline:
+        report = node.poll(0.5)
+        out += b"".join(line for _, line in report["lines"])
+        if report["exit_code"] is not None:
+            break
+    node.stop(1.0)
+    text = out.decode()
+    assert report["exit_code"] == 0, text
+    assert f"{shipped}\n" in text and f"code={shipped}" in text and "hello from the snapshot" in text

@@ -186,6 +186,10 @@ class RankProcess(ChildProcess):
         return outcome
 
 
+#: Set in a node actor's environment when Ray ships the workload's code snapshot to its node.
+SHIPPED_CODE_ENV = "GPUFLEET_SHIPPED_CODE"
+
+
 class NodeCommand(ChildProcess):
     """One node of a CLI workload: its bash command in a child process on this node."""
 
@@ -199,13 +203,18 @@ class NodeCommand(ChildProcess):
         ``files`` maps environment variable names to file contents: each is written on this
         node and the variable points at it (the hyperparameters file, for example).
         """
-        if not os.path.isdir(cwd):
-            raise FileNotFoundError(
-                f"the workload's code folder {cwd} is not on node {socket.gethostname()}: put "
-                "GPUFLEET_HOME (where run folders live) on storage every node mounts"
-            )
         full_env = dict(os.environ)
         full_env.update(env)
+        if not os.path.isdir(cwd):
+            if os.environ.get(SHIPPED_CODE_ENV) != "1":
+                raise FileNotFoundError(
+                    f"the workload's code folder {cwd} is not on node {socket.gethostname()}: put "
+                    "GPUFLEET_HOME (where run folders live) on storage every node mounts"
+                )
+            # No shared storage: run in the copy of the code snapshot Ray brought to this node
+            # (the actor's runtime_env working_dir, its current directory).
+            cwd = os.getcwd()
+            full_env["CODE_SOURCE_PATH"] = cwd
         # The run's environment (when this node sees it) and the node's own Python come first,
         # so `torchrun` and `python` resolve on every node.
         bins = [env.get("GPUFLEET_SUPERVISOR_BIN", ""), os.path.dirname(sys.executable)]

@@ -148,15 +148,20 @@ class RayExecutor(NodeExecutor):
             return {"CPU": float(c.per_node)}
         return {"GPU": float(c.per_node), "CPU": 1.0}
 
-    def rendezvous(self, num_nodes: int) -> tuple[str, int]:
+    def rendezvous(self, num_nodes: int, code_dir: str | None = None) -> tuple[str, int]:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from ..launch.ray import connect
-        from ..launch.ray_actor import NodeCommand
+        from ..launch.ray_actor import SHIPPED_CODE_ENV, NodeCommand
 
         self._release()
-        ray = self._ray = connect(self.address)
+        job_env = None
+        if code_dir and os.path.isdir(code_dir):
+            # Ray copies the code snapshot to every node (the job's working_dir); a node without
+            # the run folder (no shared storage) runs the command in that copy.
+            job_env = {"runtime_env": {"working_dir": code_dir, "env_vars": {SHIPPED_CODE_ENV: "1"}}}
+        ray = self._ray = connect(self.address, job_env)
         self._pg = placement_group([self._bundle() for _ in range(num_nodes)], strategy="STRICT_SPREAD")
         try:
             ray.get(self._pg.ready(), timeout=_SCHEDULE_TIMEOUT_S)
@@ -168,6 +173,7 @@ class RayExecutor(NodeExecutor):
             ) from None
         actor_cls = ray.remote(NodeCommand)
         attempt = int(time.time())
+        runtime_env: dict[str, Any] = {"env_vars": {"GPUFLEET_RUN_ID": self._run_id}}
         for rank in range(num_nodes):
             self._actors.append(
                 actor_cls.options(
@@ -175,7 +181,7 @@ class RayExecutor(NodeExecutor):
                     max_restarts=0,
                     max_concurrency=4,
                     name=f"gpufleet-{self._run_id}-{attempt}-node{rank}",
-                    runtime_env={"env_vars": {"GPUFLEET_RUN_ID": self._run_id}},
+                    runtime_env=runtime_env,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self._pg, placement_group_bundle_index=rank
                     ),

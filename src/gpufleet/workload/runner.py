@@ -96,8 +96,11 @@ class NodeExecutor(abc.ABC):
     """Starts the per-node commands of one attempt."""
 
     @abc.abstractmethod
-    def rendezvous(self, num_nodes: int) -> tuple[str, int]:
-        """``(MASTER_ADDR, MASTER_PORT)`` for an attempt: node 0's address and a free port."""
+    def rendezvous(self, num_nodes: int, code_dir: str | None = None) -> tuple[str, int]:
+        """``(MASTER_ADDR, MASTER_PORT)`` for an attempt: node 0's address and a free port.
+
+        ``code_dir`` is the run's code snapshot, for executors that bring it to other machines.
+        """
 
     @abc.abstractmethod
     def start(self, node: NodeSpec) -> NodeProcess:
@@ -179,7 +182,7 @@ class LocalNodeProcess(NodeProcess):
 class LocalExecutor(NodeExecutor):
     """Runs the (single) node of a workload on this machine."""
 
-    def rendezvous(self, num_nodes: int) -> tuple[str, int]:
+    def rendezvous(self, num_nodes: int, code_dir: str | None = None) -> tuple[str, int]:
         if num_nodes != 1:
             raise ExecutorUnavailableError("the local executor runs exactly one node")
         return "127.0.0.1", find_free_port()
@@ -388,7 +391,7 @@ class Supervisor:
                     tracked.log_config(self.run.config, artifact_file="workload.yaml")
                 except Exception as e:  # tracking trouble never stops the run
                     self.log.write(f"gpufleet: could not log the workload config to MLflow: {e}\n")
-            master = executor.rendezvous(num_nodes)
+            master = executor.rendezvous(num_nodes, code_dir=str(self.run_dir / "code"))
             nodes: list[NodeProcess] = []
             outcome = None
             try:
