@@ -257,7 +257,8 @@ def test_cancel_stops_every_rank():
 
 
 INTERRUPT_SCRIPT = """
-import time
+import faulthandler, signal, time
+faulthandler.register(signal.SIGUSR1)  # the test asks for the caller's stacks if Ctrl-C is not handled
 from gpufleet import distributed
 def hang():
     import subprocess, sys
@@ -292,7 +293,14 @@ def test_ctrl_c_stops_every_rank_and_raises_keyboardinterrupt(tmp_path):
         _wait_for_children(proc.pid, 4)  # 2 ranks + their 2 children
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # where the caller is stuck, for the failure report
+            time.sleep(1.0)
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError(f"Ctrl-C was not handled within 30 s; the caller's stacks:\n{err}\n{out}") from None
         assert "CAUGHT KeyboardInterrupt" in out, err
         assert "stopping all 2 ranks" in err
         assert processes_with_env("GPUFLEET_PARENT_PID", str(proc.pid)) == []
