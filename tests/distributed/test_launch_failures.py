@@ -259,6 +259,9 @@ def test_cancel_stops_every_rank():
 INTERRUPT_SCRIPT = """
 import faulthandler, signal, time
 faulthandler.register(signal.SIGUSR1)  # the test asks for the caller's stacks if Ctrl-C is not handled
+# As in a terminal or a notebook kernel: Ctrl-C raises KeyboardInterrupt. (A process started in
+# the background by a non-interactive shell, as CI may start the tests, inherits SIGINT ignored.)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from gpufleet import distributed
 def hang():
     import subprocess, sys
