@@ -35,21 +35,31 @@ TORCHRUN = (
 )
 
 
-def test_torchrun_once_per_node(two_nodes, tmp_path: Path, monkeypatch, capsys) -> None:
-    home = tmp_path / "home"
-    monkeypatch.setenv("GPUFLEET_HOME", str(home))
+def _two_node_workload(
+    two_nodes, tmp_path: Path, monkeypatch, name: str, command: str, files: dict[str, str] | None = None, **fields
+) -> Path:
+    """A workload folder (with ``files``) for the two-node cluster, in a private GPUFLEET_HOME; its YAML."""
+    monkeypatch.setenv("GPUFLEET_HOME", str(tmp_path / "home"))
     code = tmp_path / "project"
     code.mkdir()
-    (code / "train.py").write_text(TRAIN)
-    write_workload(
+    for file_name, text in (files or {}).items():
+        (code / file_name).write_text(text)
+    return write_workload(
         code,
-        experiment_name="two-nodes",
+        experiment_name=name,
         compute={"accelerator_type": "CPU_1", "num_accelerators": 2, "cluster": two_nodes.address},
         code_source={"root_path": "."},
-        command=TORCHRUN,
-        parameters={"lr": 0.25},
+        command=command,
+        **fields,
     )
-    rc, out, err = cli(capsys, "run", "-f", str(code / "workload.yaml"), "--watch", "--no-tracking")
+
+
+def test_torchrun_once_per_node(two_nodes, tmp_path: Path, monkeypatch, capsys) -> None:
+    home = tmp_path / "home"
+    yaml_path = _two_node_workload(
+        two_nodes, tmp_path, monkeypatch, "two-nodes", TORCHRUN, files={"train.py": TRAIN}, parameters={"lr": 0.25}
+    )
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--watch", "--no-tracking")
     assert rc == 0, out + err
     run_id = out.splitlines()[0]
     assert "rank=0 sum=3.0 lr=0.25 NUM_NODES=2 NODE_RANK=0 WORLD_SIZE=2 LOCAL_WORLD_SIZE=1" in out
@@ -78,21 +88,10 @@ FAIL_ON_NODE_1 = textwrap.dedent(
 def test_a_failing_node_stops_the_others_and_fails_the_run(two_nodes, tmp_path: Path, monkeypatch, capsys) -> None:
     import psutil
 
-    home = tmp_path / "home"
-    monkeypatch.setenv("GPUFLEET_HOME", str(home))
-    code = tmp_path / "project"
-    code.mkdir()
-    write_workload(
-        code,
-        experiment_name="two-nodes-fail",
-        compute={"accelerator_type": "CPU_1", "num_accelerators": 2, "cluster": two_nodes.address},
-        code_source={"root_path": "."},
-        command=FAIL_ON_NODE_1,
-        env_variables={"MARKER_DIR": str(tmp_path)},
-        max_retries=0,
-    )
+    yaml_path = _two_node_workload(two_nodes, tmp_path, monkeypatch, "two-nodes-fail", FAIL_ON_NODE_1,
+                                   env_variables={"MARKER_DIR": str(tmp_path)}, max_retries=0)
     started = time.monotonic()
-    rc, out, err = cli(capsys, "run", "-f", str(code / "workload.yaml"), "--watch", "--no-tracking")
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--watch", "--no-tracking")
     elapsed = time.monotonic() - started
     assert rc != 0
     assert elapsed < 60, f"node 0 was not stopped when node 1 failed ({elapsed:.0f} s)"
@@ -111,17 +110,9 @@ def test_a_tracked_workload_gets_system_metrics_from_each_node(two_nodes, tmp_pa
 
     mlflow = pytest.importorskip("mlflow")
     monkeypatch.delenv("GPUFLEET_TRACKING", raising=False)
-    monkeypatch.setenv("GPUFLEET_HOME", str(tmp_path / "home"))
-    code = tmp_path / "project"
-    code.mkdir()
-    write_workload(
-        code,
-        experiment_name="two-nodes-tracked",
-        compute={"accelerator_type": "CPU_1", "num_accelerators": 2, "cluster": two_nodes.address},
-        code_source={"root_path": "."},
-        command='echo "node $NODE_RANK logs into $MLFLOW_RUN_ID; snapshot shipped=$GPUFLEET_SHIPPED_CODE"; sleep 1\n',
-    )
-    rc, out, err = cli(capsys, "run", "-f", str(code / "workload.yaml"), "--watch")
+    command = 'echo "node $NODE_RANK logs into $MLFLOW_RUN_ID; snapshot shipped=$GPUFLEET_SHIPPED_CODE"; sleep 1\n'
+    yaml_path = _two_node_workload(two_nodes, tmp_path, monkeypatch, "two-nodes-tracked", command)
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--watch")
     assert rc == 0, out + err
     run = cli_json(capsys, "get", out.splitlines()[0])
     mlflow_run_id = run["attempts"][0]["mlflow_run_id"]
