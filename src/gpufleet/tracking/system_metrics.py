@@ -44,7 +44,7 @@ def start_node_sampler(env: Mapping[str, str], node_id: str) -> SystemMetricsSam
     Returns None (after a warning when something went wrong) when the run is not tracked.
     """
     run_id, uri = env.get("MLFLOW_RUN_ID"), env.get("MLFLOW_TRACKING_URI")
-    if not run_id or not uri or env.get("GPUFLEET_TRACKING", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not run_id or not uri:  # set only for a tracked run (tracking off: never set)
         return None
     try:
         sampler = SystemMetricsSampler(run_id, uri, node_id=node_id)

@@ -173,7 +173,6 @@ class RayExecutor(NodeExecutor):
             ) from None
         actor_cls = ray.remote(NodeCommand)
         attempt = int(time.time())
-        runtime_env: dict[str, Any] = {"env_vars": {"GPUFLEET_RUN_ID": self._run_id}}
         for rank in range(num_nodes):
             self._actors.append(
                 actor_cls.options(
@@ -181,7 +180,7 @@ class RayExecutor(NodeExecutor):
                     max_restarts=0,
                     max_concurrency=4,
                     name=f"gpufleet-{self._run_id}-{attempt}-node{rank}",
-                    runtime_env=runtime_env,
+                    runtime_env={"env_vars": {"GPUFLEET_RUN_ID": self._run_id}},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self._pg, placement_group_bundle_index=rank
                     ),
