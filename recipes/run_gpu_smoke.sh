@@ -38,16 +38,6 @@ make_ratings_csv(f"{out}/ratings.csv", num_users=100000, num_items=20000, num_ra
 make_token_file(f"{out}/tokens.bin", num_tokens=20_000_000, vocab_size=8192)
 PY
 
-nb() {  # notebook, then env assignments
-  local name="$1"; shift
-  selected "$name" || return 0
-  echo "== $name"
-  local start=$(date +%s)
-  env GPUS=2 OUTPUT_DIR="$out/$name" "$@" "$py" _smoke/run_notebook.py "$name"/*.ipynb --out "$out/$name.executed.ipynb" \
-    > "$out/$name.log" 2>&1 && "$py" -c "import json,sys; r=json.load(open(sys.argv[1])); r=r.get('second', r) if isinstance(r, dict) else r; print(json.dumps(r[0]))" "$out/$name/results.json" \
-    || { echo "FAILED (see $out/$name.log)"; tail -20 "$out/$name.log"; }
-  echo "   wall $(( $(date +%s) - start ))s"
-}
 nb trl-lora-sft-ddp MODEL="$out/gpt-oss-small" DATA="$out/chat.jsonl" MAX_STEPS=30 BATCH_SIZE=8 MAX_LENGTH=1024
 nb trl-lora-sft-fsdp2-moe MODEL="$out/qwen3-moe-small" DATA="$out/chat.jsonl" MAX_STEPS=30 BATCH_SIZE=8 MAX_LENGTH=1024
 nb trl-full-sft-zero3 MODEL="$out/llama-1b" DATA="$out/chat.jsonl" MAX_STEPS=30 BATCH_SIZE=8 MAX_LENGTH=1024

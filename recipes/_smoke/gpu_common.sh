@@ -1,6 +1,7 @@
 # Shared by recipes/run_gpu_smoke.sh and recipes/run_gpu_full_size.sh: sourced, not run.
 # Before sourcing: repo (the checkout) and out (where logs go). Sets py, the environment and the
-# working directory (recipes/), and defines `selected NAME` and `wl FOLDER OVERRIDE...`.
+# working directory (recipes/), and defines `selected NAME`, `nb FOLDER ENV=VALUE...` and
+# `wl FOLDER OVERRIDE...`.
 # ACCELERATOR (default GPU_2xH200) is the accelerator type the workloads are submitted with.
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1 PYTHONPATH="$repo/src:${PYTHONPATH:-}"
@@ -19,5 +20,16 @@ wl() {  # a workload folder, then overrides: `gpufleet run --watch` on 2 acceler
   (cd "$name" && gpufleet run -f workload.yaml --watch --no-tracking --override compute.accelerator_type="$accelerator" \
      --override compute.num_accelerators=2 --override 'environment.dependencies=[]' "${args[@]}") > "$out/$name.log" 2>&1 \
     && grep -h "RESULT " "$out/$name.log" | tail -1 || { echo "FAILED (see $out/$name.log)"; tail -20 "$out/$name.log"; }
+  echo "   wall $(( $(date +%s) - start ))s"
+}
+
+nb() {  # notebook, then env assignments
+  local name="$1"; shift
+  selected "$name" || return 0
+  echo "== $name"
+  local start=$(date +%s)
+  env GPUS=2 OUTPUT_DIR="$out/$name" "$@" "$py" _smoke/run_notebook.py "$name"/*.ipynb --out "$out/$name.executed.ipynb" \
+    > "$out/$name.log" 2>&1 && "$py" -c "import json,sys; r=json.load(open(sys.argv[1])); r=r.get('second', r) if isinstance(r, dict) else r; print(json.dumps(r[0]))" "$out/$name/results.json" \
+    || { echo "FAILED (see $out/$name.log)"; tail -20 "$out/$name.log"; }
   echo "   wall $(( $(date +%s) - start ))s"
 }

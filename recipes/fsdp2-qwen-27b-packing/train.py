@@ -93,7 +93,7 @@ def main() -> None:
         prepared.zero_grad()
         losses.append(loss.item())
         tokens += int((b["labels"] != -100).sum()) * world
-        if (step + 1) % every == 0 or step + 1 == max_steps:
+        if every > 0 and ((step + 1) % every == 0 or step + 1 == max_steps):  # 0: no checkpoints
             manager.save(step + 1)
     manager.close()
     if rank == 0:
