@@ -17,7 +17,8 @@
 #   axolotl-qlora-ddp             OLMo-2-7B                           DDP, QLoRA (Axolotl, 4-bit)
 #
 # The vocabulary is the local tokenizer's (a few hundred words) instead of the 100k-200k of the real
-# checkpoints, so each model has its real layers but 0.3-1.2B fewer embedding parameters.
+# checkpoints, so each model has its real layers but 0.3-1.2B fewer embedding parameters. Each chat
+# row has two messages of 950 words (about 1,910 tokens): sequences near the 2,048 of the runs.
 # Models are written under MODELS_DIR (default /tmp/gpufleet-models) and removed after their run
 # (KEEP_MODELS=1 keeps them); the largest is about 61 GB.
 #
@@ -40,7 +41,7 @@ make_tiny_causal_lm(sys.argv[1], sys.argv[2], dtype='bfloat16', device='cuda', *
 }
 done_with() { [ "${KEEP_MODELS:-0}" = 1 ] || rm -rf "${models:?}/$1"; }
 "$py" -c "import sys; sys.path.insert(0, '.'); from _smoke import make_chat_jsonl, make_invoice_jsonl; \
-make_chat_jsonl(sys.argv[1] + '/chat.jsonl', num_rows=2000); make_invoice_jsonl(sys.argv[1] + '/invoices.jsonl', num_rows=2000)" "$out"
+make_chat_jsonl(sys.argv[1] + '/chat.jsonl', num_rows=2000, words_per_message=950); make_invoice_jsonl(sys.argv[1] + '/invoices.jsonl', num_rows=2000)" "$out"
 
 if selected fsdp-llama31-8b-sft; then
   build llama-8b llama '{"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192}'

@@ -18,19 +18,31 @@ def _write_jsonl(path: Path, rows: list[dict]) -> str:
     return str(path)
 
 
-def make_chat_jsonl(path: str | Path, num_rows: int = 64, seed: int = 0, system: bool = False) -> str:
+def make_chat_jsonl(
+    path: str | Path, num_rows: int = 64, seed: int = 0, system: bool = False, words_per_message: int | None = None
+) -> str:
     """Write a conversational SFT dataset: one ``{"messages": [...]}`` object per line.
+
+    Args:
+        words_per_message: when given, every user and assistant message has exactly this many words
+            (one token each with the local tokenizer), so rows fill long sequences; otherwise 4-12.
 
     Returns:
         The path written, as a string.
     """
     rng = random.Random(seed)
+
+    def text() -> str:
+        if words_per_message is None:
+            return sentence(rng)
+        return " ".join(rng.choice(WORDS) for _ in range(words_per_message))
+
     rows = []
     for _ in range(num_rows):
         messages = [{"role": "system", "content": "answer the question"}] if system else []
         messages += [
-            {"role": "user", "content": sentence(rng)},
-            {"role": "assistant", "content": sentence(rng)},
+            {"role": "user", "content": text()},
+            {"role": "assistant", "content": text()},
         ]
         rows.append({"messages": messages})
     return _write_jsonl(Path(path), rows)
