@@ -44,22 +44,47 @@ ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
-def make_tokenizer(out_dir: str | Path | None = None) -> Any:
-    """Train a word-level tokenizer over the shared vocabulary and wrap it for transformers.
+# Split rule of GPT-2-style byte-level BPE tokenizers (Qwen2's): letters keep their leading space.
+_BYTE_LEVEL_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Model types whose tokenizer transformers rebuilds from vocab + merges with its own rules instead of
+# loading tokenizer.json as saved (transformers 5's MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS): they
+# get a byte-level BPE tokenizer built with those same rules, so the rebuilt one tokenizes alike.
+BYTE_LEVEL_ARCHS = {"qwen2"}
+
+
+def make_tokenizer(out_dir: str | Path | None = None, byte_level: bool = False) -> Any:
+    """Train a tokenizer over the shared vocabulary and wrap it for transformers.
 
     Args:
         out_dir: when given, the tokenizer is also saved there (``save_pretrained``).
+        byte_level: a byte-level BPE (GPT-2 / Qwen2 style; every word and " word" of the shared
+            vocabulary is one token) instead of a word-level tokenizer.
 
     Returns:
         A ``PreTrainedTokenizerFast`` with pad/eos/bos tokens and a chat template.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    trainer = trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS)
     corpus = [" ".join(WORDS), " ".join(DIGITS), "{ } : , \" [ ] . -"]
+    if byte_level:
+        tok = Tokenizer(models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="",
+                                   fuse_unk=False, byte_fallback=False))
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_BYTE_LEVEL_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=100_000, min_frequency=1, special_tokens=SPECIAL_TOKENS,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        corpus += [" ".join(WORDS[::-1]), "\n".join(WORDS)]  # each word both after a space and alone
+    else:
+        tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        trainer = trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS)
     tok.train_from_iterator(corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -105,7 +130,7 @@ def make_tiny_causal_lm(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = make_tokenizer(out)
+    tokenizer = make_tokenizer(out, byte_level=arch in BYTE_LEVEL_ARCHS)
     settings = {**_COMMON, **ARCH_OVERRIDES[arch], **config_overrides}
     config = AutoConfig.for_model(
         arch,

@@ -43,12 +43,18 @@ def train_loop(p: dict[str, Any]) -> None:
     started = time.perf_counter()
     result = trainer.train()
     tokens = next((h["num_tokens"] for h in reversed(trainer.state.log_history) if "num_tokens" in h), 0)
-    ray.train.report({
+    summary = {
         "final_train_loss": result.training_loss, "steps": result.global_step,
         "wrapper": type(trainer.model_wrapped).__name__, "seconds": time.perf_counter() - started,
-        "tokens_per_second": tokens / max(result.metrics["train_runtime"], 1e-9),
+        "tokens_per_second": tokens / max(result.metrics["train_runtime"], 1e-9),  # TRL counts every rank's
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-    })
+    }
+    ray.train.report(summary)
+    # Ray Train's Result keeps the metrics of the last checkpoint only; rank 0 leaves the summary for
+    # the driver next to the outputs (shared storage on several nodes, like the checkpoints).
+    if ray.train.get_context().get_world_rank() == 0:
+        Path(p["output_dir"]).mkdir(parents=True, exist_ok=True)
+        Path(p["output_dir"], "train_summary.json").write_text(json.dumps(summary))
 
 
 def main() -> None:
@@ -73,7 +79,8 @@ def main() -> None:
         run_config=RunConfig(name="qwen25-sft", storage_path=str(Path(p["output_dir"], "ray").absolute())),
     )
     result = trainer.fit()
-    summary = {**result.metrics, "num_workers": num_workers}
+    final = Path(p["output_dir"], "train_summary.json")
+    summary = {**result.metrics, **(json.loads(final.read_text()) if final.exists() else {}), "num_workers": num_workers}
     print("RESULT " + json.dumps(summary, default=str))
     Path(p["output_dir"]).mkdir(parents=True, exist_ok=True)
     Path(p["output_dir"], "result.json").write_text(json.dumps(summary, default=str))
