@@ -50,3 +50,19 @@ def test_gpu_type_is_checked_against_the_real_devices():
         distributed(gpus=1, gpu_type="B200", tracking=False)(_hello).distributed()
     with pytest.raises(GPUUnavailableError, match=rf"gpus={len(GPUS) + 1} was asked for"):
         distributed(gpus=len(GPUS) + 1, tracking=False)(_hello).distributed()
+
+
+def test_a_caller_that_already_uses_cuda_still_launches_on_every_gpu():
+    """A notebook kernel that already put tensors on a GPU (CUDA initialised) can still launch.
+
+    Workers are fresh interpreters, so the caller's CUDA context is not inherited (a forked child of an
+    initialised CUDA process would fail with "Cannot re-initialize CUDA in forked subprocess").
+    """
+    import torch
+
+    held = torch.ones(1024, 1024, device="cuda:0")  # the caller's own GPU work, kept alive
+    assert torch.cuda.is_initialized()
+    out = distributed(gpus=2, tracking=False)(_hello).distributed()
+    assert [r["device"] for r in out] == ["cuda:0", "cuda:1"]
+    assert all(r["sum"] == 3.0 for r in out)
+    assert held.sum().item() == 1024 * 1024
