@@ -57,7 +57,7 @@ if selected trl-zero3-qwen3-8b-invoices; then
     parameters.max_length=2048 parameters.eval_steps=1000 parameters.logging_steps=5
   done_with qwen3-8b; rm -rf "$out/invoices-out"
 fi
-if selected fsdp2-qwen-27b-packing; then  # 14.8B x (bf16 weights + grads + AdamW) / 2 GPUs ~ 74 GB each
+if selected fsdp2-qwen-27b-packing; then  # 13.2B x (bf16 weights, grads, AdamW) / 2 GPUs: about 62 GiB each
   build qwen3-14b qwen3 '{"hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 8192}'
   wl fsdp2-qwen-27b-packing parameters.model="$models/qwen3-14b" parameters.train_file="$out/chat.jsonl" \
     parameters.checkpoint_dir="$out/qwen-packing" parameters.max_steps=12 parameters.seq_len=8192 parameters.checkpoint_every=0
