@@ -36,7 +36,8 @@ TORCHRUN = (
 
 
 def _two_node_workload(
-    two_nodes, tmp_path: Path, monkeypatch, name: str, command: str, files: dict[str, str] | None = None, **fields
+    two_nodes, tmp_path: Path, monkeypatch, name: str, command: str, files: dict[str, str] | None = None,
+    ray_driver: bool = False, **fields
 ) -> Path:
     """A workload folder (with ``files``) for the two-node cluster, in a private GPUFLEET_HOME; its YAML."""
     monkeypatch.setenv("GPUFLEET_HOME", str(tmp_path / "home"))
@@ -47,7 +48,8 @@ def _two_node_workload(
     return write_workload(
         code,
         experiment_name=name,
-        compute={"accelerator_type": "CPU_1", "num_accelerators": 2, "cluster": two_nodes.address},
+        compute={"accelerator_type": "CPU_1", "num_accelerators": 2, "cluster": two_nodes.address,
+                 **({"ray_driver": True} if ray_driver else {})},
         code_source={"root_path": "."},
         command=command,
         **fields,
@@ -121,3 +123,124 @@ def test_a_tracked_workload_gets_system_metrics_from_each_node(two_nodes, tmp_pa
     metrics = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(mlflow_run_id).data.metrics
     system = {k for k in metrics if k.startswith("system/")}
     assert {k.split("/")[1] for k in system} == {"node0", "node1"}, system
+
+
+DRIVER = textwrap.dedent(
+    """
+    import os, time
+    import ray
+
+    ray.init()  # RAY_ADDRESS: the cluster gpufleet runs on
+    print("driver NODE_RANK=%s WORLD_SIZE=%s NUM_NODES=%s" % (os.environ["NODE_RANK"], os.environ["WORLD_SIZE"],
+          os.environ["NUM_NODES"]), flush=True)
+
+    @ray.remote(num_cpus=1)  # every CPU of the cluster: nothing may be held back for the command
+    class Worker:
+        def where(self):
+            return ray.get_runtime_context().get_node_id(), os.getpid()
+
+        def hold(self, path):
+            open(path, "w").write(str(os.getpid()))
+            time.sleep(300)
+
+    workers = [Worker.remote() for _ in range(int(os.environ["WORLD_SIZE"]))]
+    placed = ray.get([w.where.remote() for w in workers], timeout=60)
+    print("workers on %d nodes" % len({node for node, _ in placed}), flush=True)
+    if os.environ.get("HOLD_DIR"):
+        ray.get([w.hold.remote(os.path.join(os.environ["HOLD_DIR"], "w%d.pid" % i)) for i, w in enumerate(workers)])
+    """
+)
+
+
+def test_a_ray_driver_runs_once_and_places_its_workers_on_every_node(
+    two_nodes, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    yaml_path = _two_node_workload(two_nodes, tmp_path, monkeypatch, "ray-driver", "python driver.py\n",
+                                   files={"driver.py": DRIVER}, ray_driver=True, max_retries=0)
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--dry-run")
+    assert rc == 0 and "once, as a Ray driver" in out, out + err
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--watch", "--no-tracking")
+    assert rc == 0, out + err
+    assert out.count("driver NODE_RANK=0 WORLD_SIZE=2 NUM_NODES=2") == 1, out
+    assert "workers on 2 nodes" in out  # both CPUs were free for the driver's workers
+    run_id = out.splitlines()[0]
+    run = cli_json(capsys, "get", run_id)
+    assert run["state"] == "SUCCESS" and [n["node_rank"] for n in run["attempts"][0]["nodes"]] == [0]
+    rc, out, err = cli(capsys, "logs", run_id, "--node", "1")
+    assert rc != 0 and "Ray driver run" in err
+    assert wait_no_processes(run_id) == []
+
+
+def test_cancelling_a_ray_driver_run_stops_its_workers(two_nodes, tmp_path: Path, monkeypatch, capsys) -> None:
+    import psutil
+
+    yaml_path = _two_node_workload(two_nodes, tmp_path, monkeypatch, "ray-driver-cancel", "python driver.py\n",
+                                   files={"driver.py": DRIVER}, env_variables={"HOLD_DIR": str(tmp_path)},
+                                   ray_driver=True, max_retries=0)
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--no-tracking")
+    assert rc == 0, out + err
+    run_id = out.splitlines()[0]
+    pid_files = [tmp_path / "w0.pid", tmp_path / "w1.pid"]
+    deadline = time.monotonic() + 90
+    while not all(p.exists() and p.read_text() for p in pid_files) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert all(p.exists() for p in pid_files), cli(capsys, "logs", run_id)[1]
+    pids = [int(p.read_text()) for p in pid_files]
+    rc, out, err = cli(capsys, "cancel", run_id)
+    assert rc == 0, out + err
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and cli_json(capsys, "get", run_id)["state"] == "RUNNING":
+        time.sleep(0.5)
+    assert cli_json(capsys, "get", run_id)["state"] == "CANCELED"
+    deadline = time.monotonic() + 30  # Ray ends the workers of a driver that is gone
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.5)
+    assert not any(psutil.pid_exists(p) for p in pids), "the driver's Ray workers outlived the cancelled run"
+    assert wait_no_processes(run_id) == []
+
+
+def test_cancelling_a_two_node_workload_stops_both_nodes(two_nodes, tmp_path: Path, monkeypatch, capsys) -> None:
+    """``gpufleet cancel`` reaches a supervisor connected to Ray (Ray's own SIGTERM handler must not end it)."""
+    import psutil
+
+    command = 'sleep 300 & echo $! > "$MARKER_DIR/node$NODE_RANK.pid"; wait\n'
+    yaml_path = _two_node_workload(two_nodes, tmp_path, monkeypatch, "two-nodes-cancel", command,
+                                   env_variables={"MARKER_DIR": str(tmp_path)}, max_retries=0)
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--no-tracking")
+    assert rc == 0, out + err
+    run_id = out.splitlines()[0]
+    pid_files = [tmp_path / "node0.pid", tmp_path / "node1.pid"]
+    deadline = time.monotonic() + 90
+    while not all(p.exists() and p.read_text().strip() for p in pid_files) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    pids = [int(p.read_text()) for p in pid_files]
+    rc, out, err = cli(capsys, "cancel", run_id)
+    assert rc == 0, out + err
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and cli_json(capsys, "get", run_id)["state"] == "RUNNING":
+        time.sleep(0.5)
+    run = cli_json(capsys, "get", run_id)
+    assert run["state"] == "CANCELED", run
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    assert wait_no_processes(run_id) == []
+
+
+def test_a_ray_driver_the_cluster_can_never_serve_gets_a_clear_error(two_nodes, tmp_path: Path, monkeypatch) -> None:
+    from gpufleet.errors import LaunchConfigError
+    from gpufleet.workload import ray_executor
+    from gpufleet.workload.schema import WorkloadConfig
+
+    config = WorkloadConfig.model_validate({
+        "experiment_name": "too-big", "command": "python driver.py",
+        "compute": {"accelerator_type": "CPU_2", "num_accelerators": 4, "cluster": two_nodes.address, "ray_driver": True},
+    })  # fmt: skip
+    monkeypatch.setattr(ray_executor, "_SCHEDULE_TIMEOUT_S", 1.0)
+    executor = ray_executor.RayExecutor(config, two_nodes.address)
+    started = time.monotonic()
+    try:
+        with pytest.raises(LaunchConfigError, match=r"has 2 CPUs in all \(2 nodes alive\); this workload's Ray "
+                                                     r"driver needs 4 \(compute.num_accelerators\)"):
+            executor.rendezvous(config.compute.num_nodes)
+    finally:
+        executor.close()
+    assert time.monotonic() - started < 15

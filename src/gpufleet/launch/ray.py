@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import signal
 import sys
 import threading
 import time
@@ -78,6 +79,7 @@ def connect(address: str, init_kwargs: dict[str, Any] | None = None) -> Any:
             if _connected_address == address and _connected_kwargs == kwargs:
                 return ray
             ray.shutdown()
+        handlers = _python_signal_handlers()
         try:
             ray.init(address=address, **kwargs)
         except ConnectionError as e:
@@ -85,8 +87,32 @@ def connect(address: str, init_kwargs: dict[str, Any] | None = None) -> Any:
                 f"cannot connect to the Ray cluster at {address!r}: {e}. Start one with "
                 "'ray start --head' (see docs/multinode.md) or fix the address."
             ) from e
+        finally:
+            _restore_signal_handlers(handlers)
         _connected_address, _connected_kwargs = address, kwargs
     return ray
+
+
+_GUARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _python_signal_handlers() -> dict[int, Any]:
+    """This process's Python handlers of SIGTERM, SIGINT and SIGHUP (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in _GUARDED_SIGNALS}
+
+
+def _restore_signal_handlers(handlers: dict[int, Any]) -> None:
+    """Put back the handlers ``ray.init`` replaced.
+
+    Ray's core worker installs a native handler for SIGTERM that logs a stack and ends the process
+    at once; a gpufleet supervisor (cancel = SIGTERM) or a caller with its own handlers would die
+    without stopping its runs. Python still reports its own handler there, so each is installed again.
+    """
+    for sig, handler in handlers.items():
+        if handler is not None:
+            signal.signal(sig, handler)
 
 
 # -- what travels to the workers --------------------------------------------------------------

@@ -73,11 +73,12 @@ class ChildProcess:
             sampler.stop()
 
     def node_info(self) -> dict[str, Any]:
-        """Where this actor runs: Ray node id, node address, host name and process id."""
+        """Where this actor runs: Ray node id, the cluster's GCS address, node address, host name and pid."""
         import ray
 
         return {
             "node_id": ray.get_runtime_context().get_node_id(),
+            "gcs_address": ray.get_runtime_context().gcs_address,  # the cluster, as its nodes reach it
             "ip": ray.util.get_node_ip_address(),
             "hostname": socket.gethostname(),
             "pid": os.getpid(),

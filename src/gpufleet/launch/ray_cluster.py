@@ -23,8 +23,8 @@ import signal
 import subprocess
 import sys
 import threading
-import warnings
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any

@@ -198,6 +198,9 @@ def _print_plan(p: dict[str, Any]) -> None:
         f"= world size {p['world_size']} ({p['accelerator_type']})"
     )
     print(f"  executor        {p['executor']}" + (f" on {p['cluster']}" if p["cluster"] else ""))
+    if p["ray_driver"]:
+        print("  command runs    once, as a Ray driver (RAY_ADDRESS set on a cluster); it places its own "
+              f"workers on the {p['world_size']} accelerators, gpufleet reserves none")
     print(f"  code            {p['code_root'] or '(none: the command runs in an empty folder)'}"
           + (f" ({p['code_files']} files)" if p["code_root"] else ""))  # fmt: skip
     if p["dependencies"]:
@@ -281,7 +284,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
         run = store.get(args.run_id)
     except RunNotFoundError as e:
         return _error(str(e), args)
-    if args.node is not None and not 0 <= args.node < run.num_nodes:
+    if args.node is not None and not 0 <= args.node < run.command_nodes:
+        if run.command_nodes == 1 < run.num_nodes:
+            return _error(f"--node {args.node}: run {run.id} is a Ray driver run; its command ran once, as "
+                          "node 0 (its Ray workers log to the Ray cluster)", args, EXIT_INVALID)  # fmt: skip
         return _error(f"--node {args.node}: run {run.id} has nodes 0..{run.num_nodes - 1}", args, EXIT_INVALID)
     numbers = [a.attempt for a in run.attempts]
     if args.attempt is not None and args.attempt not in numbers:
@@ -294,7 +300,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
             (f"attempt {a.attempt} node {n}", Path(a.log_dir) / f"node-{n}.log")
             for a in run.attempts
             if args.attempt is None or a.attempt == args.attempt
-            for n in range(run.num_nodes)
+            for n in range(run.command_nodes)
             if args.node is None or n == args.node
         ]
     if args.follow and not args.setup:

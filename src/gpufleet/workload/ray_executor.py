@@ -9,6 +9,12 @@ at the next attempt and when the run ends.
 
 The run folder (code snapshot, checkpoints) must be on storage that every node mounts, as
 with ``torchrun`` across machines.
+
+A workload with ``compute.ray_driver`` runs its command once, as a Ray driver: one actor that holds
+no resources runs it with ``RAY_ADDRESS`` set to the cluster, and the driver (Ray Train, Tune,
+Data) places its own workers. The executor only waits until the cluster has the accelerators the
+workload names, so a driver that could never be served fails with a clear error instead of
+waiting forever.
 """
 
 from __future__ import annotations
@@ -148,6 +154,24 @@ class RayExecutor(NodeExecutor):
             return {"CPU": float(c.per_node)}
         return {"GPU": float(c.per_node), "CPU": 1.0}
 
+    def _wait_for_capacity(self) -> None:
+        """For a Ray driver: wait until the cluster has the workload's accelerators in all."""
+        ray, c = self._ray, self.config.compute
+        resource = "CPU" if c.gpu_type is None else "GPU"
+        deadline = time.monotonic() + _SCHEDULE_TIMEOUT_S
+        while True:
+            have = float(ray.cluster_resources().get(resource, 0.0))
+            if have >= c.num_accelerators:
+                return
+            if time.monotonic() > deadline:
+                alive = sum(1 for n in ray.nodes() if n["Alive"])
+                raise LaunchConfigError(
+                    f"the Ray cluster at {self.address} has {have:g} {resource}s in all ({alive} nodes alive); "
+                    f"this workload's Ray driver needs {c.num_accelerators} (compute.num_accelerators); "
+                    f"waited {_SCHEDULE_TIMEOUT_S:g} s"
+                )
+            time.sleep(2.0)
+
     def rendezvous(self, num_nodes: int, code_dir: str | None = None) -> tuple[str, int]:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -162,6 +186,18 @@ class RayExecutor(NodeExecutor):
             # the run folder (no shared storage) runs the command in that copy.
             job_env = {"runtime_env": {"working_dir": code_dir, "env_vars": {SHIPPED_CODE_ENV: "1"}}}
         ray = self._ray = connect(self.address, job_env)
+        if self.config.compute.ray_driver:
+            self._wait_for_capacity()
+            driver = ray.remote(NodeCommand).options(
+                num_cpus=0,  # the driver reserves nothing: its workers take the accelerators
+                max_restarts=0,
+                max_concurrency=4,
+                name=f"gpufleet-{self._run_id}-{int(time.time())}-driver",
+                runtime_env={"env_vars": {"GPUFLEET_RUN_ID": self._run_id}},
+            ).remote(self._run_id, 0)
+            self._actors = [driver]
+            self._nodes = [ray.get(driver.node_info.remote())]
+            return self._nodes[0]["ip"], ray.get(driver.free_port.remote())
         self._pg = placement_group([self._bundle() for _ in range(num_nodes)], strategy="STRICT_SPREAD")
         try:
             ray.get(self._pg.ready(), timeout=_SCHEDULE_TIMEOUT_S)
@@ -201,6 +237,8 @@ class RayExecutor(NodeExecutor):
         params = node.env.get("HYPERPARAMETERS_PATH")
         if params and os.path.exists(params):
             files["HYPERPARAMETERS_PATH"] = open(params, "rb").read()  # noqa: SIM115
+        if self.config.compute.ray_driver:
+            env["RAY_ADDRESS"] = self._nodes[rank]["gcs_address"]  # the driver joins this cluster
         process = RayNodeProcess(ray, self._actors[rank], node, self._nodes[rank])
         process.pid = ray.get(self._actors[rank].start.remote(node.command, env, node.cwd, files))
         return process

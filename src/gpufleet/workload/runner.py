@@ -395,7 +395,7 @@ class Supervisor:
             nodes: list[NodeProcess] = []
             outcome = None
             try:
-                for rank in range(num_nodes):
+                for rank in range(self.config.compute.command_nodes):
                     spec = NodeSpec(
                         node_rank=rank,
                         command=self.config.command,

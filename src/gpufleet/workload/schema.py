@@ -101,6 +101,17 @@ class ComputeConfig(_Strict):
         examples=["ray://head:10001"],
     )
 
+    ray_driver: bool = Field(
+        default=False,
+        description=(
+            "The command is a Ray driver (Ray Train, Tune or Data) that places its own workers: it "
+            "runs once instead of once per node, with RAY_ADDRESS set to the cluster, and gpufleet "
+            "reserves nothing, so the driver's workers can take every accelerator. Without a "
+            "cluster the command runs once on this machine as usual."
+        ),
+        examples=[True],
+    )
+
     @field_validator("accelerator_type")
     @classmethod
     def _check_type(cls, v: str) -> str:
@@ -137,6 +148,11 @@ class ComputeConfig(_Strict):
     def num_nodes(self) -> int:
         """Nodes the workload spans."""
         return self.num_accelerators // self.per_node
+
+    @property
+    def command_nodes(self) -> int:
+        """How many times the command runs: once per node, or once for a Ray driver."""
+        return 1 if self.ray_driver else self.num_nodes
 
     @field_validator("num_accelerators")
     @classmethod

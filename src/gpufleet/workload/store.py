@@ -138,6 +138,11 @@ class RunRecord:
     attempts: list[AttemptRecord] = field(default_factory=list)
 
     @property
+    def command_nodes(self) -> int:
+        """Nodes whose command runs and writes ``node-N.log``: every node, or node 0 for a Ray driver."""
+        return 1 if (self.config.get("compute") or {}).get("ray_driver") else self.num_nodes
+
+    @property
     def is_active(self) -> bool:
         """Whether the run is still PENDING or RUNNING."""
         return self.state in ACTIVE_STATES

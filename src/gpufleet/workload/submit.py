@@ -75,6 +75,8 @@ def plan(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]
         "accelerators_per_node": c.per_node,
         "world_size": c.num_accelerators,
         "cluster": c.cluster,
+        "ray_driver": c.ray_driver,
+        "command_runs": c.command_nodes,
         "executor": RAY_EXECUTOR_MODULE if needs_cluster(config) else "local",
         "code_root": str(root) if root else None,
         "code_files": len(files),
@@ -85,7 +87,7 @@ def plan(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]
         "parameters": config.parameters,
         "node_env": {
             "NUM_NODES": str(c.num_nodes),
-            "NODE_RANK": "0.." + str(c.num_nodes - 1) if c.num_nodes > 1 else "0",
+            "NODE_RANK": "0.." + str(c.num_nodes - 1) if c.command_nodes > 1 else "0",
             "WORLD_SIZE": str(c.num_accelerators),
             "LOCAL_WORLD_SIZE": str(c.per_node),
             **config.env_strings(),

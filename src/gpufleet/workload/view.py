@@ -86,7 +86,7 @@ class LogFollower:
         for a in run.attempts:
             if self.attempt is not None and a.attempt != self.attempt:
                 continue
-            nodes = [self.node] if self.node is not None else range(run.num_nodes)
+            nodes = [self.node] if self.node is not None else range(run.command_nodes)
             for n in nodes:
                 out.append((f"[node {n}] ", Path(a.log_dir) / f"node-{n}.log"))
         return out
@@ -266,7 +266,8 @@ def run_details(run: RunRecord, out: IO[str] | None = None) -> None:
         ("id", run.id),
         ("state", run.state),
         ("experiment", run.experiment),
-        ("compute", f"{run.num_nodes} node(s) x {c.get('accelerator_type')} (world size {run.world_size})"),
+        ("compute", f"{run.num_nodes} node(s) x {c.get('accelerator_type')} (world size {run.world_size})"
+                    + (", command run once as a Ray driver" if c.get("ray_driver") else "")),
         ("created", fmt_time(run.created_at)),
         ("started", fmt_time(run.started_at)),
         ("ended", fmt_time(run.ended_at)),
@@ -290,5 +291,5 @@ def run_details(run: RunRecord, out: IO[str] | None = None) -> None:
         )
         if a.message:
             out.write(f"  {a.message}\n")
-        for n in range(run.num_nodes):
+        for n in range(run.command_nodes):
             out.write(f"  node {n} log: {Path(a.log_dir) / f'node-{n}.log'}\n")
