@@ -171,18 +171,13 @@ def test_a_ray_driver_runs_once_and_places_its_workers_on_every_node(
     assert wait_no_processes(run_id) == []
 
 
-def test_cancelling_a_ray_driver_run_stops_its_workers(two_nodes, tmp_path: Path, monkeypatch, capsys) -> None:
-    import psutil
-
-    yaml_path = _two_node_workload(two_nodes, tmp_path, monkeypatch, "ray-driver-cancel", "python driver.py\n",
-                                   files={"driver.py": DRIVER}, env_variables={"HOLD_DIR": str(tmp_path)},
-                                   ray_driver=True, max_retries=0)
+def _start_then_cancel(capsys, yaml_path: Path, pid_files: list[Path]) -> tuple[str, list[int]]:
+    """Run a workload in the background, cancel it once every pid file is written; its id and those pids."""
     rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--no-tracking")
     assert rc == 0, out + err
     run_id = out.splitlines()[0]
-    pid_files = [tmp_path / "w0.pid", tmp_path / "w1.pid"]
     deadline = time.monotonic() + 90
-    while not all(p.exists() and p.read_text() for p in pid_files) and time.monotonic() < deadline:
+    while not all(p.exists() and p.read_text().strip() for p in pid_files) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert all(p.exists() for p in pid_files), cli(capsys, "logs", run_id)[1]
     pids = [int(p.read_text()) for p in pid_files]
@@ -191,37 +186,39 @@ def test_cancelling_a_ray_driver_run_stops_its_workers(two_nodes, tmp_path: Path
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and cli_json(capsys, "get", run_id)["state"] == "RUNNING":
         time.sleep(0.5)
-    assert cli_json(capsys, "get", run_id)["state"] == "CANCELED"
+    run = cli_json(capsys, "get", run_id)
+    assert run["state"] == "CANCELED", run
+    return run_id, pids
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_cancelling_a_ray_driver_run_stops_its_workers(two_nodes, tmp_path: Path, monkeypatch, capsys) -> None:
+    yaml_path = _two_node_workload(two_nodes, tmp_path, monkeypatch, "ray-driver-cancel", "python driver.py\n",
+                                   files={"driver.py": DRIVER}, env_variables={"HOLD_DIR": str(tmp_path)},
+                                   ray_driver=True, max_retries=0)
+    run_id, pids = _start_then_cancel(capsys, yaml_path, [tmp_path / "w0.pid", tmp_path / "w1.pid"])
     deadline = time.monotonic() + 30  # Ray ends the workers of a driver that is gone
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+    while time.monotonic() < deadline and any(_running(p) for p in pids):
         time.sleep(0.5)
-    assert not any(psutil.pid_exists(p) for p in pids), "the driver's Ray workers outlived the cancelled run"
+    assert not any(_running(p) for p in pids), "the driver's Ray workers outlived the cancelled run"
     assert wait_no_processes(run_id) == []
 
 
 def test_cancelling_a_two_node_workload_stops_both_nodes(two_nodes, tmp_path: Path, monkeypatch, capsys) -> None:
     """``gpufleet cancel`` reaches a supervisor connected to Ray (Ray's own SIGTERM handler must not end it)."""
-    import psutil
-
     command = 'sleep 300 & echo $! > "$MARKER_DIR/node$NODE_RANK.pid"; wait\n'
     yaml_path = _two_node_workload(two_nodes, tmp_path, monkeypatch, "two-nodes-cancel", command,
                                    env_variables={"MARKER_DIR": str(tmp_path)}, max_retries=0)
-    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--no-tracking")
-    assert rc == 0, out + err
-    run_id = out.splitlines()[0]
-    pid_files = [tmp_path / "node0.pid", tmp_path / "node1.pid"]
-    deadline = time.monotonic() + 90
-    while not all(p.exists() and p.read_text().strip() for p in pid_files) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    pids = [int(p.read_text()) for p in pid_files]
-    rc, out, err = cli(capsys, "cancel", run_id)
-    assert rc == 0, out + err
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and cli_json(capsys, "get", run_id)["state"] == "RUNNING":
-        time.sleep(0.5)
-    run = cli_json(capsys, "get", run_id)
-    assert run["state"] == "CANCELED", run
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    run_id, pids = _start_then_cancel(capsys, yaml_path, [tmp_path / "node0.pid", tmp_path / "node1.pid"])
+    assert not any(_running(p) for p in pids)
     assert wait_no_processes(run_id) == []
 
 
