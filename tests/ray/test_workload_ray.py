@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.workload.store import RunStore
-from tests.workload.helpers import cli, cli_json, wait_no_processes, write_workload
+from tests.workload.helpers import cli, cli_json, tiny_wheel, wait_no_processes, write_workload
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -241,3 +241,13 @@ def test_a_ray_driver_the_cluster_can_never_serve_gets_a_clear_error(two_nodes, 
     finally:
         executor.close()
     assert time.monotonic() - started < 15
+
+
+def test_dependencies_reach_every_node(two_nodes, tmp_path: Path, monkeypatch, capsys) -> None:
+    wheel = tiny_wheel(tmp_path)
+    command = 'python -c "import gfnodedemo; print(\'node\', $NODE_RANK, gfnodedemo.VALUE)"\n'
+    yaml_path = _two_node_workload(two_nodes, tmp_path, monkeypatch, "two-nodes-deps", command, max_retries=0,
+                                   environment={"dependencies": [f"gfnodedemo @ {wheel.as_uri()}"]})
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--watch", "--no-tracking")
+    assert rc == 0, out + err
+    assert "node 0 installed on this node" in out and "node 1 installed on this node" in out, out

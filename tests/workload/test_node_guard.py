@@ -13,6 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.workload.helpers import tiny_wheel
+
 ACTOR = textwrap.dedent(
     """
     import sys, time
@@ -82,3 +84,43 @@ def test_a_node_without_the_run_folder_runs_in_the_code_ray_shipped(tmp_path: Pa
     text = out.decode()
     assert report["exit_code"] == 0, text
     assert f"{shipped}\n" in text and f"code={shipped}" in text and "hello from the snapshot" in text
+
+
+def _run_node(node, command: str, env: dict[str, str], cwd: str) -> tuple[int, str]:
+    node.start(command, env, cwd, {})
+    out, deadline = b"", time.monotonic() + 120
+    report = {"exit_code": None}
+    while time.monotonic() < deadline:
+        report = node.poll(0.5)
+        out += b"".join(line for _, line in report["lines"])
+        if report["exit_code"] is not None:
+            break
+    node.stop(1.0)
+    return report["exit_code"], out.decode()
+
+
+def test_a_node_without_the_run_environment_builds_it_from_the_dependencies(tmp_path: Path, monkeypatch) -> None:
+    """No shared storage: the node builds the run's environment itself, once per dependency list."""
+    import json
+
+    from gpufleet.launch.ray_actor import NodeCommand
+
+    wheel = tiny_wheel(tmp_path)
+    env = {
+        "GPUFLEET_SUPERVISOR_BIN": str(tmp_path / "submitter" / "envs" / "abc" / "bin"),  # not on this node
+        "GPUFLEET_DEPENDENCIES": json.dumps([f"gfnodedemo @ {wheel.as_uri()}"]),
+        "GPUFLEET_HOME": str(tmp_path / "node-home"),
+    }
+    command = 'python -c "import gfnodedemo, sys; print(gfnodedemo.VALUE, sys.prefix)"'
+    code, text = _run_node(NodeCommand("deps-test", 1), command, env, str(tmp_path))
+    assert code == 0, text
+    envs = tmp_path / "node-home" / "envs"
+    built = [p for p in envs.iterdir() if p.is_dir()]
+    assert len(built) == 1 and f"installed on this node {built[0]}" in text, text
+    assert "building environment" in text  # pip's output is in the node's log
+    code, text = _run_node(NodeCommand("deps-test", 1), command, env, str(tmp_path))
+    assert code == 0 and "reusing environment" in text and f"installed on this node {built[0]}" in text, text
+
+    env["GPUFLEET_DEPENDENCIES"] = json.dumps(["gfnodedemo @ file:///nonexistent/gfnodedemo-0.1-py3-none-any.whl"])
+    code, text = _run_node(NodeCommand("deps-test", 1), command, env, str(tmp_path))
+    assert code == 97 and "could not build the run's environment on this node" in text, text

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..results import RunDir, read_outcome
+from ..workload.envs import DEPENDENCIES_ENV
 from .ports import find_free_port
 from .proctree import popen_in_own_group, stop_process_tree
 from .worker import PARENT_PID_ENV
@@ -189,6 +190,11 @@ class RankProcess(ChildProcess):
 
 #: Set in a node actor's environment when Ray ships the workload's code snapshot to its node.
 SHIPPED_CODE_ENV = "GPUFLEET_SHIPPED_CODE"
+_BUILD_THEN_RUN = (
+    'bin=$("$GPUFLEET_NODE_PYTHON" "$GPUFLEET_ENVS_PY" | tail -n 1) && [ -d "$bin" ] || exit 97\n'
+    'export PATH="$bin:$PATH" VIRTUAL_ENV="$(dirname "$bin")"\n'
+    'exec bash -c "$GPUFLEET_NODE_COMMAND"\n'
+)
 
 
 class NodeCommand(ChildProcess):
@@ -218,17 +224,27 @@ class NodeCommand(ChildProcess):
             full_env["CODE_SOURCE_PATH"] = cwd
         # The run's environment (when this node sees it) and the node's own Python come first,
         # so `torchrun` and `python` resolve on every node.
-        bins = [env.get("GPUFLEET_SUPERVISOR_BIN", ""), os.path.dirname(sys.executable)]
+        run_bin = env.get("GPUFLEET_SUPERVISOR_BIN", "")
+        bins = [run_bin, os.path.dirname(sys.executable)]
         bins = [b for b in bins if b and os.path.isdir(b)]
         full_env["PATH"] = os.pathsep.join(list(dict.fromkeys(bins)) + [full_env.get("PATH", "")])
         for name, data in files.items():
             path = self.dir / name.lower()
             path.write_bytes(data)
             full_env[name] = str(path)
+        workload = Path(__file__).resolve().parent.parent / "workload"
+        if env.get(DEPENDENCIES_ENV) and not os.path.isdir(run_bin):
+            # This node does not see the run's environment: it builds its own (cached per spec
+            # under this node's GPUFLEET_HOME), its pip output in the node's log, then the command
+            # runs with that environment first on PATH.
+            full_env["GPUFLEET_NODE_COMMAND"] = command
+            full_env["GPUFLEET_NODE_PYTHON"] = sys.executable
+            full_env["GPUFLEET_ENVS_PY"] = str(workload / "envs.py")
+            command = _BUILD_THEN_RUN
         # The guard leads the command's process group and stops it if this actor dies (a killed
         # actor or raylet would otherwise leave the command running on the node). Run by path: it
         # needs nothing but the standard library.
-        guard = str(Path(__file__).resolve().parent.parent / "workload" / "guard.py")
+        guard = str(workload / "guard.py")
         pid = self._spawn([sys.executable, guard, "--", "bash", "-c", command], full_env, cwd)
         self._sample_node(full_env, f"node{self.node_rank}")
         return pid

@@ -1,4 +1,9 @@
-"""Per-run Python environments: a venv layered on the current one, cached by its spec."""
+"""Per-run Python environments: a venv layered on the current one, cached by its spec.
+
+Standard library only: a node of a multi-node workload runs this file by path
+(``python envs.py``) to build the run's environment on that node when it does not see the
+submitting machine's (``node_main``).
+"""
 
 from __future__ import annotations
 
@@ -95,3 +100,31 @@ def _run(cmd: list[str], log: IO[str]) -> None:
             f"`{' '.join(cmd[:4])} ...` failed with exit code {proc.returncode}; see the "
             "environment log of the run (gpufleet logs RUN_ID --setup) for pip's output"
         )
+
+
+#: A node command's dependencies (JSON list), for nodes that build the run's environment themselves.
+DEPENDENCIES_ENV = "GPUFLEET_DEPENDENCIES"
+
+
+def node_envs_dir() -> Path:
+    """Where a node keeps its environments: ``$GPUFLEET_HOME/envs`` (default ``~/.gpufleet``)."""
+    return Path(os.environ.get("GPUFLEET_HOME") or Path.home() / ".gpufleet") / "envs"
+
+
+def node_main() -> int:
+    """Build (or reuse) the environment of ``$GPUFLEET_DEPENDENCIES`` on this node; print its ``bin``.
+
+    pip's output goes to stderr, which is the node's log; the ``bin`` folder is the last line of stdout.
+    """
+    dependencies = json.loads(os.environ[DEPENDENCIES_ENV])
+    try:
+        bin_dir = ensure_environment(dependencies, node_envs_dir(), sys.stderr)
+    except EnvironmentSetupError as e:
+        sys.stderr.write(f"gpufleet: could not build the run's environment on this node: {e}\n")
+        return 1
+    sys.stdout.write(f"{bin_dir}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(node_main())

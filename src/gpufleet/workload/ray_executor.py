@@ -19,12 +19,14 @@ waiting forever.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from typing import Any
 
 from ..errors import LaunchConfigError
+from .envs import DEPENDENCIES_ENV
 from .runner import GRACE_PERIOD_S, NodeExecutor, NodeProcess, NodeSpec
 from .schema import WorkloadConfig
 
@@ -233,6 +235,8 @@ class RayExecutor(NodeExecutor):
         env = {k: v for k, v in node.env.items() if k not in _NODE_OWN}
         supervisor_bin = node.env.get("PATH", "").split(os.pathsep)[0]
         env["GPUFLEET_SUPERVISOR_BIN"] = supervisor_bin
+        if self.config.environment.dependencies:  # a node that does not see supervisor_bin builds its own
+            env[DEPENDENCIES_ENV] = json.dumps(self.config.environment.dependencies)
         files: dict[str, bytes] = {}
         params = node.env.get("HYPERPARAMETERS_PATH")
         if params and os.path.exists(params):
