@@ -60,6 +60,20 @@ def test_the_node_command_stops_when_its_actor_process_is_killed(tmp_path: Path)
             pass
 
 
+def _run_node(node, command: str, env: dict[str, str], cwd: str) -> tuple[int, str]:
+    """Start ``command`` in a NodeCommand, collect its output until it exits; exit code and output."""
+    node.start(command, env, cwd, {})
+    out, deadline = b"", time.monotonic() + 120
+    report = {"exit_code": None}
+    while time.monotonic() < deadline:
+        report = node.poll(0.5)
+        out += b"".join(line for _, line in report["lines"])
+        if report["exit_code"] is not None:
+            break
+    node.stop(1.0)
+    return report["exit_code"], out.decode()
+
+
 def test_a_node_without_the_run_folder_runs_in_the_code_ray_shipped(tmp_path: Path, monkeypatch) -> None:
     """No shared storage: the run's code folder is missing on the node, Ray's copy is used."""
     from gpufleet.launch.ray_actor import SHIPPED_CODE_ENV, NodeCommand
@@ -73,30 +87,10 @@ def test_a_node_without_the_run_folder_runs_in_the_code_ray_shipped(tmp_path: Pa
     with pytest.raises(FileNotFoundError, match="is not on node .*storage every node mounts"):
         node.start("true", {}, missing, {})  # without a shipped copy: the clear error
     monkeypatch.setenv(SHIPPED_CODE_ENV, "1")
-    node.start(f'pwd; echo "code=$CODE_SOURCE_PATH"; {sys.executable} train.py', {"CODE_SOURCE_PATH": missing}, missing, {})
-    out, deadline = b"", time.monotonic() + 30
-    while time.monotonic() < deadline:
-        report = node.poll(0.5)
-        out += b"".join(line for _, line in report["lines"])
-        if report["exit_code"] is not None:
-            break
-    node.stop(1.0)
-    text = out.decode()
-    assert report["exit_code"] == 0, text
+    code, text = _run_node(node, f'pwd; echo "code=$CODE_SOURCE_PATH"; {sys.executable} train.py',
+                           {"CODE_SOURCE_PATH": missing}, missing)
+    assert code == 0, text
     assert f"{shipped}\n" in text and f"code={shipped}" in text and "hello from the snapshot" in text
-
-
-def _run_node(node, command: str, env: dict[str, str], cwd: str) -> tuple[int, str]:
-    node.start(command, env, cwd, {})
-    out, deadline = b"", time.monotonic() + 120
-    report = {"exit_code": None}
-    while time.monotonic() < deadline:
-        report = node.poll(0.5)
-        out += b"".join(line for _, line in report["lines"])
-        if report["exit_code"] is not None:
-            break
-    node.stop(1.0)
-    return report["exit_code"], out.decode()
 
 
 def test_a_node_without_the_run_environment_builds_it_from_the_dependencies(tmp_path: Path, monkeypatch) -> None:
