@@ -524,13 +524,14 @@ class RayRun(RankGroupRun):
         """Whether the rank's node is, or within ``within_s`` is marked, dead by the cluster.
 
         An actor on a node that went away often fails (socket closed) a few seconds before the
-        cluster marks the node dead; waiting that long tells a lost node from a dead actor.
+        cluster marks the node dead; waiting that long tells a lost node from a dead actor. A
+        cancel or timeout ends the wait: naming the failure then is not worth a slower stop.
         """
         deadline = time.monotonic() + within_s
         while True:
             if not self._node_alive(rank):
                 return True
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or self._stop_reason is not None or self._past_deadline():
                 return False
             time.sleep(0.5)
 
