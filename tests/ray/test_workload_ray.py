@@ -251,3 +251,26 @@ def test_dependencies_reach_every_node(two_nodes, tmp_path: Path, monkeypatch, c
     rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--watch", "--no-tracking")
     assert rc == 0, out + err
     assert "node 0 installed on this node" in out and "node 1 installed on this node" in out, out
+
+
+def test_cancel_while_waiting_for_the_cluster_cancels_at_once(two_nodes, tmp_path: Path, monkeypatch, capsys) -> None:
+    """A workload the cluster has no room for waits (up to 10 minutes); a cancel ends the wait."""
+    yaml_path = _two_node_workload(two_nodes, tmp_path, monkeypatch, "no-room", "true\n", max_retries=0)
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--no-tracking",
+                       "--override", "compute.accelerator_type=CPU_2", "--override", "compute.num_accelerators=4")
+    assert rc == 0, out + err
+    run_id = out.splitlines()[0]
+    deadline = time.monotonic() + 60
+    while not cli_json(capsys, "get", run_id)["attempts"]:  # the attempt waits for its placement group
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    time.sleep(2.0)
+    t0 = time.monotonic()
+    rc, out, err = cli(capsys, "cancel", run_id)
+    assert rc == 0, out + err
+    while cli_json(capsys, "get", run_id)["state"] in ("PENDING", "RUNNING"):
+        assert time.monotonic() - t0 < 20, "the cancel waited for the cluster"
+        time.sleep(0.5)
+    run = cli_json(capsys, "get", run_id)
+    assert run["state"] == "CANCELED" and "while waiting for 2 nodes" in run["message"], run
+    assert wait_no_processes(run_id) == []

@@ -89,24 +89,24 @@ def write_workload(folder: Path, name: str = "workload.yaml", **fields: Any) -> 
     return path
 
 
-def tiny_wheel(folder: Path) -> Path:
-    """A pure-Python wheel of a package ``gfnodedemo`` (nothing to download or build)."""
+def tiny_wheel(folder: Path, name: str = "gfnodedemo", value: str = "installed on this node") -> Path:
+    """A pure-Python wheel of package ``name`` whose ``VALUE`` is ``value``, built by hand (no build backend, no network)."""
     import base64
     import hashlib
     import zipfile
 
     files = {
-        "gfnodedemo/__init__.py": b"VALUE = 'installed on this node'\n",
-        "gfnodedemo-0.1.dist-info/METADATA": b"Metadata-Version: 2.1\nName: gfnodedemo\nVersion: 0.1\n",
-        "gfnodedemo-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{name}/__init__.py": f"VALUE = {value!r}\n".encode(),
+        f"{name}-0.1.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n".encode(),
+        f"{name}-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
     record = "".join(
-        f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}\n"
-        for name, data in files.items()
-    ) + "gfnodedemo-0.1.dist-info/RECORD,,\n"
-    path = folder / "gfnodedemo-0.1-py3-none-any.whl"
+        f"{member},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}\n"
+        for member, data in files.items()
+    ) + f"{name}-0.1.dist-info/RECORD,,\n"
+    path = folder / f"{name}-0.1-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as z:
-        for name, data in files.items():
-            z.writestr(name, data)
-        z.writestr("gfnodedemo-0.1.dist-info/RECORD", record)
+        for member, data in files.items():
+            z.writestr(member, data)
+        z.writestr(f"{name}-0.1.dist-info/RECORD", record)
     return path

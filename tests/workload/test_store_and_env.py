@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import subprocess
 import time
-import zipfile
 from pathlib import Path
 
 import pytest
 
 from gpufleet.workload.snapshot import list_files
 from gpufleet.workload.store import PENDING, RUNNING, RunRecord, RunStore
-from tests.workload.helpers import cli, wait_state, write_workload
+from tests.workload.helpers import (
+    cli,
+    tiny_wheel,
+    wait_for_text,
+    wait_no_processes,
+    wait_state,
+    write_workload,
+)
 
 
 def _record(store: RunStore, run_id: str, **fields: object) -> RunRecord:
@@ -86,30 +90,10 @@ def test_snapshot_without_git_respects_gitignore(tmp_path: Path) -> None:
     assert list_files(root, ["pkg"]) == ["pkg/.gitignore", "pkg/keep.log", "pkg/mod.py"]
 
 
-def _tiny_wheel(folder: Path) -> Path:
-    """A minimal pure-Python wheel ``gftiny`` built by hand (no build backend, no network)."""
-    files = {
-        "gftiny/__init__.py": b"VALUE = 'from the run environment'\n",
-        "gftiny-0.1.dist-info/METADATA": b"Metadata-Version: 2.1\nName: gftiny\nVersion: 0.1\n",
-        "gftiny-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-    }
-    record = []
-    for name, data in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        record.append(f"{name},sha256={digest},{len(data)}")
-    record.append("gftiny-0.1.dist-info/RECORD,,")
-    path = folder / "gftiny-0.1-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as z:
-        for name, data in files.items():
-            z.writestr(name, data)
-        z.writestr("gftiny-0.1.dist-info/RECORD", "\n".join(record) + "\n")
-    return path
-
-
 def test_dependencies_install_into_a_cached_layered_environment(
     tmp_path: Path, home: Path, store: RunStore, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    wheel = _tiny_wheel(tmp_path)
+    wheel = tiny_wheel(tmp_path, "gftiny", "from the run environment")
     wl = write_workload(
         tmp_path,
         environment={"dependencies": [f"gftiny @ {wheel.as_uri()}"]},
@@ -149,3 +133,34 @@ def test_list_limits_newest_first_and_filters(store: RunStore, capsys: pytest.Ca
     assert listed("--filter", "state=FAILED,TIMEDOUT") == ["run-3", "run-1"]
     assert listed("--filter", "experiment=a", "--filter", "state=SUCCESS") == ["run-0"]
     assert listed("--filter", "id=run-2") == ["run-2"]
+
+
+def test_cancel_while_dependencies_install_stops_pip_and_cancels(
+    tmp_path: Path, store: RunStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cancel during a long ``pip install`` stops pip at once (it failed the run after pip's retries before)."""
+    import socket
+
+    server = socket.socket()  # accepts connections and never answers: pip waits on it
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    url = f"http://127.0.0.1:{server.getsockname()[1]}/gfslow-0.1-py3-none-any.whl"
+    try:
+        wl = write_workload(tmp_path, environment={"dependencies": [f"gfslow @ {url}"]}, command="true")
+        rc, out, err = cli(capsys, "run", "-f", str(wl), "--no-tracking")
+        assert rc == 0, out + err
+        run_id = out.splitlines()[0]
+        log = Path(store.get(run_id).run_dir) / "environment.log"
+        wait_for_text(log, "pip")
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        rc, out, err = cli(capsys, "cancel", run_id)
+        assert rc == 0, out + err
+        run = wait_state(store, run_id, timeout=60)
+        assert run.state == "CANCELED", (run.state, run.message, log.read_text()[-2000:])
+        assert time.monotonic() - t0 < 15
+        assert "while its environment was being built" in (run.message or "")
+        assert "stopped pip" in log.read_text()
+        assert wait_no_processes(run_id) == []
+    finally:
+        server.close()

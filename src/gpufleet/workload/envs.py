@@ -13,10 +13,12 @@ import json
 import logging
 import os
 import shutil
+import signal
 import site
 import subprocess
 import sys
 import sysconfig
+import threading
 from pathlib import Path
 from typing import IO
 
@@ -27,6 +29,10 @@ _READY = ".gpufleet-ready"
 
 class EnvironmentSetupError(RuntimeError):
     """Installing a run's dependencies failed."""
+
+
+class EnvironmentSetupCanceled(EnvironmentSetupError):
+    """The run was canceled while its environment was being built (pip was stopped)."""
 
 
 def env_hash(dependencies: list[str]) -> str:
@@ -49,12 +55,16 @@ def _parent_site_dirs() -> list[str]:
     return out
 
 
-def ensure_environment(dependencies: list[str], envs_dir: Path, log: IO[str]) -> Path:
+def ensure_environment(
+    dependencies: list[str], envs_dir: Path, log: IO[str], cancel: threading.Event | None = None
+) -> Path:
     """The ``bin`` folder of a venv with ``dependencies`` installed, built once per spec.
 
     The venv sees the packages of the current environment (``--system-site-packages`` plus a
     ``.pth`` file naming the current site-packages, since a venv built from a venv would
-    otherwise see only the base interpreter's); its own packages take precedence.
+    otherwise see only the base interpreter's); its own packages take precedence. Once
+    ``cancel`` is set, pip is stopped and :class:`EnvironmentSetupCanceled` raised (the
+    unfinished venv is rebuilt by the next run that needs it).
     """
     key = env_hash(dependencies)
     envs_dir.mkdir(parents=True, exist_ok=True)
@@ -69,13 +79,13 @@ def ensure_environment(dependencies: list[str], envs_dir: Path, log: IO[str]) ->
             shutil.rmtree(target)  # a build that was interrupted
         log.write(f"gpufleet: building environment {target} for {dependencies}\n")
         log.flush()
-        _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(target)], log)
+        _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(target)], log, cancel)
         purelib = _venv_purelib(target)
         (purelib / "_gpufleet_parent_env.pth").write_text("\n".join(_parent_site_dirs()) + "\n")
         _run(
             [sys.executable, "-m", "pip", "--python", str(target / "bin" / "python"), "install",
              "--disable-pip-version-check", "--no-input", *dependencies],
-            log,
+            log, cancel,
         )  # fmt: skip
         (target / _READY).write_text(json.dumps({"dependencies": dependencies}))
         return target / "bin"
@@ -91,10 +101,35 @@ def _venv_purelib(target: Path) -> Path:
     return path
 
 
-def _run(cmd: list[str], log: IO[str]) -> None:
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _run(cmd: list[str], log: IO[str], cancel: threading.Event | None = None) -> None:
     log.write("$ " + " ".join(cmd) + "\n")
     log.flush()
-    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+    # pip in a process group of its own: `pip --python X` runs a second pip under X, and a cancel
+    # must stop both.
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    while True:
+        try:
+            proc.wait(timeout=0.5)
+            break
+        except subprocess.TimeoutExpired:
+            if cancel is not None and cancel.is_set():
+                _signal_group(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+                _signal_group(proc.pid, signal.SIGKILL)  # whatever is left of the group
+                proc.wait()
+                log.write("gpufleet: canceled; stopped pip\n")
+                log.flush()
+                raise EnvironmentSetupCanceled(f"`{' '.join(cmd[:4])} ...` was stopped: the run was canceled") from None
     if proc.returncode != 0:
         raise EnvironmentSetupError(
             f"`{' '.join(cmd[:4])} ...` failed with exit code {proc.returncode}; see the "

@@ -23,11 +23,12 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import LaunchConfigError
 from .envs import DEPENDENCIES_ENV
-from .runner import GRACE_PERIOD_S, NodeExecutor, NodeProcess, NodeSpec
+from .runner import GRACE_PERIOD_S, AttemptCanceled, NodeExecutor, NodeProcess, NodeSpec
 from .schema import WorkloadConfig
 
 logger = logging.getLogger(__name__)
@@ -156,23 +157,35 @@ class RayExecutor(NodeExecutor):
             return {"CPU": float(c.per_node)}
         return {"GPU": float(c.per_node), "CPU": 1.0}
 
+    def _wait(self, ready: Callable[[], bool], what: str, failure: Callable[[int], str]) -> None:
+        """Wait until ``ready()`` (which blocks about a second when not) for up to 10 minutes.
+
+        A cancel raises :class:`AttemptCanceled`; the time limit raises ``LaunchConfigError``
+        with ``failure(nodes alive)``.
+        """
+        deadline = time.monotonic() + _SCHEDULE_TIMEOUT_S
+        while not ready():
+            if self.canceled():
+                raise AttemptCanceled(f"while waiting for {what} on the Ray cluster")
+            if time.monotonic() > deadline:
+                raise LaunchConfigError(failure(sum(1 for n in self._ray.nodes() if n["Alive"])))
+
     def _wait_for_capacity(self) -> None:
         """For a Ray driver: wait until the cluster has the workload's accelerators in all."""
         ray, c = self._ray, self.config.compute
         resource = "CPU" if c.gpu_type is None else "GPU"
-        deadline = time.monotonic() + _SCHEDULE_TIMEOUT_S
-        while True:
-            have = float(ray.cluster_resources().get(resource, 0.0))
-            if have >= c.num_accelerators:
-                return
-            if time.monotonic() > deadline:
-                alive = sum(1 for n in ray.nodes() if n["Alive"])
-                raise LaunchConfigError(
-                    f"the Ray cluster at {self.address} has {have:g} {resource}s in all ({alive} nodes alive); "
-                    f"this workload's Ray driver needs {c.num_accelerators} (compute.num_accelerators); "
-                    f"waited {_SCHEDULE_TIMEOUT_S:g} s"
-                )
-            time.sleep(2.0)
+
+        def ready() -> bool:
+            if float(ray.cluster_resources().get(resource, 0.0)) >= c.num_accelerators:
+                return True
+            time.sleep(1.0)
+            return False
+
+        self._wait(ready, f"{c.num_accelerators} {resource}s", lambda alive: (
+            f"the Ray cluster at {self.address} has {float(ray.cluster_resources().get(resource, 0.0)):g} "
+            f"{resource}s in all ({alive} nodes alive); this workload's Ray driver needs {c.num_accelerators} "
+            f"(compute.num_accelerators); waited {_SCHEDULE_TIMEOUT_S:g} s"
+        ))  # fmt: skip
 
     def rendezvous(self, num_nodes: int, code_dir: str | None = None) -> tuple[str, int]:
         from ray.util.placement_group import placement_group
@@ -201,14 +214,10 @@ class RayExecutor(NodeExecutor):
             self._nodes = [ray.get(driver.node_info.remote())]
             return self._nodes[0]["ip"], ray.get(driver.free_port.remote())
         self._pg = placement_group([self._bundle() for _ in range(num_nodes)], strategy="STRICT_SPREAD")
-        try:
-            ray.get(self._pg.ready(), timeout=_SCHEDULE_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            alive = sum(1 for n in ray.nodes() if n["Alive"])
-            raise LaunchConfigError(
-                f"the Ray cluster at {self.address} could not give {num_nodes} nodes "
-                f"{self._bundle()} each within {_SCHEDULE_TIMEOUT_S:g} s ({alive} nodes alive)"
-            ) from None
+        ready_ref = self._pg.ready()
+        self._wait(lambda: bool(ray.wait([ready_ref], timeout=1.0)[0]), f"{num_nodes} nodes of {self._bundle()}",
+                   lambda alive: f"the Ray cluster at {self.address} could not give {num_nodes} nodes "
+                                 f"{self._bundle()} each within {_SCHEDULE_TIMEOUT_S:g} s ({alive} nodes alive)")  # fmt: skip
         actor_cls = ray.remote(NodeCommand)
         attempt = int(time.time())
         for rank in range(num_nodes):

@@ -92,8 +92,22 @@ class NodeProcess(abc.ABC):
         """What the run store records about the node (``node_rank``, ``log_path``, pids, host)."""
 
 
+class AttemptCanceled(Exception):
+    """The run was canceled while an attempt was still being set up (scheduling, environment)."""
+
+
 class NodeExecutor(abc.ABC):
-    """Starts the per-node commands of one attempt."""
+    """Starts the per-node commands of one attempt.
+
+    ``cancel_event`` (set by the supervisor) is checked by waits that can last long, such as
+    waiting for a cluster to have room; they raise :class:`AttemptCanceled` once it is set.
+    """
+
+    cancel_event: threading.Event | None = None
+
+    def canceled(self) -> bool:
+        """Whether the run was canceled (a long wait should give up)."""
+        return self.cancel_event is not None and self.cancel_event.is_set()
 
     @abc.abstractmethod
     def rendezvous(self, num_nodes: int, code_dir: str | None = None) -> tuple[str, int]:
@@ -320,11 +334,17 @@ class Supervisor:
         from .envs import ensure_environment
 
         with open(self.run_dir / "environment.log", "a") as log:
-            return str(ensure_environment(deps, self.store.home / "envs", log))
+            return str(ensure_environment(deps, self.store.home / "envs", log, cancel=self.cancel_event))
 
     def _run_attempts(self) -> tuple[str, int | None, str | None]:
-        bin_dir = self._prepare_bin_dir()
+        from .envs import EnvironmentSetupCanceled
+
+        try:
+            bin_dir = self._prepare_bin_dir()
+        except EnvironmentSetupCanceled:
+            return CANCELED, None, self.cancel_reason + " (while its environment was being built)"
         executor = create_executor(self.config)
+        executor.cancel_event = self.cancel_event
         outcome = AttemptOutcome(FAILED, message="no attempt ran")
         try:
             for attempt in range(1, self.run.max_attempts + 1):
@@ -391,7 +411,15 @@ class Supervisor:
                     tracked.log_config(self.run.config, artifact_file="workload.yaml")
                 except Exception as e:  # tracking trouble never stops the run
                     self.log.write(f"gpufleet: could not log the workload config to MLflow: {e}\n")
-            master = executor.rendezvous(num_nodes, code_dir=str(self.run_dir / "code"))
+            try:
+                master = executor.rendezvous(num_nodes, code_dir=str(self.run_dir / "code"))
+            except AttemptCanceled as e:  # canceled before any node started
+                outcome = AttemptOutcome(CANCELED, None, f"{self.cancel_reason} ({e})")
+                self.store.update_attempt(self.run.id, attempt, state=CANCELED, ended_at=time.time(),
+                                          message=outcome.message)  # fmt: skip
+                if tracked is not None:
+                    self._finish_tracking(tracked, outcome, [])
+                return outcome
             nodes: list[NodeProcess] = []
             outcome = None
             try:
@@ -486,4 +514,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main, not this __main__ copy's: classes such as AttemptCanceled,
+    # raised by executors that import gpufleet.workload.runner, must be the ones caught here.
+    from gpufleet.workload.runner import main as _main
+
+    sys.exit(_main())
