@@ -7,8 +7,9 @@ per-node environment the supervisor built. Output comes back into the run's
 ``node-N.log`` files; cancel stops each node's process tree; the placement group is released
 at the next attempt and when the run ends.
 
-The run folder (code snapshot, checkpoints) must be on storage that every node mounts, as
-with ``torchrun`` across machines.
+The code snapshot travels as the Ray job's ``working_dir`` and a node that does not see the
+run's environment builds it from ``environment.dependencies``; checkpoints under the run folder
+still need storage that every node mounts, as with ``torchrun`` across machines.
 
 A workload with ``compute.ray_driver`` runs its command once, as a Ray driver: one actor that holds
 no resources runs it with ``RAY_ADDRESS`` set to the cluster, and the driver (Ray Train, Tune,
