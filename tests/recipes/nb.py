@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,9 +33,14 @@ def require_env(name: str) -> Path:
 
 
 def run_notebook(
-    notebook: str, tmp_path: Path, env: dict[str, str] | None = None, python: Path | None = None, timeout: int = 600
+    notebook: str, tmp_path: Path, env: dict[str, str] | None = None, python: Path | None = None, timeout: int = 240
 ) -> Any:
-    """Execute ``recipes/<notebook>`` with SMOKE=1 and return its ``results.json``."""
+    """Execute ``recipes/<notebook>`` with SMOKE=1 and return its ``results.json``.
+
+    ``timeout`` is per cell; the whole run gets 30 s more, still inside pytest's 300 s, so a hang
+    fails with the notebook's own output (and a notebook given ``TIMEOUT`` stops its ranks first,
+    with their stacks).
+    """
     out = tmp_path / "out"
     run_env = {
         **os.environ,
@@ -43,12 +49,36 @@ def run_notebook(
         "OUTPUT_DIR": str(out),
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": str(REPO / "src"),
+        "TIMEOUT": str(max(timeout - 40, 30)),  # the launch's own timeout: a hang ends with the ranks' stacks
         **(env or {}),
     }
-    proc = subprocess.run(
-        [str(python or sys.executable), str(RECIPES / "_smoke" / "run_notebook.py"), str(RECIPES / notebook),
-         "--out", str(tmp_path / "executed.ipynb"), "--timeout", str(timeout)],
-        env=run_env, capture_output=True, text=True, timeout=timeout + 60,
+    executed = tmp_path / "executed.ipynb"
+    try:
+        proc = subprocess.run(
+            [str(python or sys.executable), str(RECIPES / "_smoke" / "run_notebook.py"), str(RECIPES / notebook),
+             "--out", str(executed), "--timeout", str(timeout)],
+            env=run_env, capture_output=True, text=True, timeout=timeout + 30,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"notebook {notebook} did not end within {timeout + 30} s:\n{_text(e.stderr)[-6000:]}") from None
+    assert proc.returncode == 0, (
+        f"notebook {notebook} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}\n"
+        f"cell outputs:\n{_cell_outputs(executed)[-8000:]}"
     )
-    assert proc.returncode == 0, f"notebook {notebook} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return json.loads((out / "results.json").read_text())
+
+
+def _text(data: str | bytes | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def _cell_outputs(executed: Path) -> str:
+    """The text the executed notebook's cells printed (streams, errors), for a failure message."""
+    if not executed.exists():
+        return "(no executed notebook was written)"
+    parts = []
+    for cell in json.loads(executed.read_text()).get("cells", []):
+        for output in cell.get("outputs", []):
+            text = output.get("text") or "\n".join(output.get("traceback", []))
+            parts.append("".join(text) if isinstance(text, list) else text)
+    return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(parts))  # tracebacks come with terminal colours

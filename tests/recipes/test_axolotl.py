@@ -57,7 +57,7 @@ def test_the_real_qlora_config_passes_axolotls_loader_and_a_broken_one_does_not(
 
 def test_notebook_trains_lora_with_ddp_on_two_cpu_workers(tmp_path: Path) -> None:
     python = require_env("axolotl")
-    results = run_notebook("axolotl-qlora-ddp/axolotl_qlora_ddp.ipynb", tmp_path, python=python, timeout=300)
+    results = run_notebook("axolotl-qlora-ddp/axolotl_qlora_ddp.ipynb", tmp_path, python=python, timeout=240)
     assert [r["rank"] for r in results] == [0, 1]
     for r in results:  # Axolotl's trainer itself ran data-parallel over both workers
         assert r["world_size"] == r["trainer_world_size"] == 2

@@ -30,13 +30,13 @@ def _same_on_every_rank(results: list[dict], key: str) -> object:
 
 def _failing_notebook(notebook: str, tmp_path: Path, python: Path, env: dict[str, str]) -> str:
     with pytest.raises(AssertionError) as failed:
-        run_notebook(notebook, tmp_path, env=env, python=python, timeout=300)
+        run_notebook(notebook, tmp_path, env=env, python=python, timeout=240)
     return str(failed.value)
 
 
 def test_retinanet_trains_with_ddp_on_a_coco_folder(tmp_path: Path) -> None:
     python = require_env("vision")
-    results = run_notebook(RETINANET, tmp_path, python=python, timeout=300)
+    results = run_notebook(RETINANET, tmp_path, python=python, timeout=240)
     assert [r["rank"] for r in results] == [0, 1] and results[0]["world_size"] == 2
     assert all(r["wrapper"] == "DistributedDataParallel" and r["steps"] == 2 for r in results)
     # the kernel and its workers ran the vision environment's interpreter, not the caller's
@@ -64,7 +64,7 @@ def test_retinanet_starts_from_a_local_backbone_file(tmp_path: Path) -> None:
                              "full = sum(p.numel() for p in retinanet_resnet50_fpn_v2(num_classes=3).parameters())\n"
                              "print(full, bn)", str(backbone)], check=True, capture_output=True, text=True)
     full, batchnorm = map(int, counts.stdout.split())
-    results = run_notebook(RETINANET, tmp_path, python=python, timeout=300,
+    results = run_notebook(RETINANET, tmp_path, python=python, timeout=240,
                            env={"WEIGHTS_BACKBONE": str(backbone), "MAX_STEPS": "1"})
     assert all(r["steps"] == 1 for r in results)
     # the backbone file loaded, and its batch-norm layers stay frozen: all else trains
@@ -82,7 +82,7 @@ def test_retinanet_refuses_a_weights_file_of_another_model(tmp_path: Path) -> No
 
 def test_unsloth_lora_sft_trains_with_ddp_and_saves_an_adapter(tmp_path: Path) -> None:
     python = require_env("vision")
-    results = run_notebook(UNSLOTH, tmp_path, python=python, timeout=300)
+    results = run_notebook(UNSLOTH, tmp_path, python=python, timeout=240)
     assert [r["rank"] for r in results] == [0, 1] and results[0]["world_size"] == 2
     assert all(r["wrapper"] == "DistributedDataParallel" and r["steps"] == 3 for r in results)
     assert results[0]["unsloth"] == "2026.10.9"
