@@ -99,8 +99,30 @@ def run_rank(call_bytes: bytes, rank: int, outcome_path: Path) -> bool:
         _destroy_process_group()
         return False
     write_outcome(outcome_path, OK, rank, value=value_bytes)
+    _last_barrier()
     _destroy_process_group()
     return True
+
+
+def _last_barrier(timeout_s: float = 60.0) -> None:
+    """On a gloo process group, wait (up to ``timeout_s``) until every rank has returned.
+
+    A rank's return also tears down what its function built (DDP reducer, gloo pairs, loader
+    threads) in C++ destructors; a peer that already left makes that teardown wait for ever, so
+    a rank that finishes first stays until the others have finished theirs. NCCL groups skip it
+    (a barrier there needs the rank's device set).
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return
+    try:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
+            return
+        import datetime
+
+        dist.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception:  # a peer that failed or left: the launcher reports it, nothing to add here
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
