@@ -70,3 +70,29 @@ def two_nodes() -> Iterator[TwoNodeCluster]:
         yield cluster
     finally:
         cluster.shutdown()
+
+
+def sleep_long() -> None:
+    """A rank that runs until it is stopped."""
+    import time
+
+    time.sleep(300)
+
+
+def sleepers_then_lose_the_worker_node(two_nodes, tmp_path):
+    """Two sleeping ranks, one per node; once both run, the worker node's raylet is killed. The handle."""
+    import time
+
+    from gpufleet import distributed
+    from tests.proc import run_processes
+
+    handle = distributed(
+        sleep_long, gpus=2, gpu_type="cpu", remote=two_nodes.address,
+        runs_dir=str(tmp_path), grace_period_s=1.0, timeout=200,
+    ).submit()  # fmt: skip
+    deadline = time.monotonic() + 90
+    while len(run_processes(handle.run_id)) < 2 * 2:  # two actors, two ranks
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.5)
+    two_nodes.worker.kill_raylet()
+    return handle

@@ -10,6 +10,7 @@ import pytest
 
 from gpufleet import distributed, errors
 from tests.proc import run_processes
+from tests.ray.conftest import sleepers_then_lose_the_worker_node
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -169,16 +170,7 @@ def test_cancel_and_timeout_stop_ranks_and_release_the_placement_group(two_nodes
 
 
 def test_lost_node_fails_clearly_and_leaves_nothing(two_nodes, tmp_path):
-    f = distributed(
-        _sleep_long, gpus=2, gpu_type="cpu", remote=two_nodes.address,
-        runs_dir=str(tmp_path), grace_period_s=1.0, timeout=200,
-    )
-    handle = f.submit()
-    deadline = time.monotonic() + 90
-    while len(run_processes(handle.run_id)) < 2 * 2:  # two actors, two ranks
-        assert time.monotonic() < deadline, "the ranks did not start"
-        time.sleep(0.5)
-    two_nodes.worker.kill_raylet()
+    handle = sleepers_then_lose_the_worker_node(two_nodes, tmp_path)
     with pytest.raises(errors.WorkerGroupError) as info:
         handle.result(timeout=90)
     lost_node = two_nodes.worker.node_id[:12]
