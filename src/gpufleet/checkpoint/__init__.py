@@ -6,9 +6,11 @@ Importing this package does not import torch; torch is loaded when a manager is 
 
 from __future__ import annotations
 
+from .deepspeed_engine import is_deepspeed_engine
+from .errors import CheckpointError
 from .export import export_checkpoint, load_model_state_dict
 from .layout import CheckpointInfo, latest_complete, list_checkpoints
-from .manager import CheckpointError, CheckpointManager, is_deepspeed_engine
+from .manager import CheckpointManager
 
 __all__ = [
     "CheckpointManager",

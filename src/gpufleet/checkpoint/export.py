@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import layout
+from .torch_dist import quiet_single_process
 
 if TYPE_CHECKING:
     import torch
@@ -33,8 +34,6 @@ def _load_dcp_model(path: Path) -> dict[str, torch.Tensor]:
             state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     if not state:
         raise layout_error(path, "holds no model weights")
-    from .manager import quiet_single_process
-
     with quiet_single_process():
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return {k[len(_MODEL_PREFIX):]: v for k, v in state.items()}

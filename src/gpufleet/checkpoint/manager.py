@@ -5,22 +5,28 @@ file of its own state (RNG states and data-loader position). Rank 0 writes the c
 marker last. Old complete checkpoints beyond ``keep_last`` are deleted; torn ones are kept
 aside and never loaded. A DeepSpeed engine is saved with its own ``save_checkpoint`` into the
 same ``step-N`` layout.
+
+This module holds the manager's flow (collectives, DCP save and load, completion, resume);
+the DeepSpeed engine's format, the asynchronous-save machinery and the per-rank file live in
+``deepspeed_engine``, ``async_save`` and ``rank_state``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import threading
 import time
-import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import layout
-from .rng import capture_rng_state, restore_rng_state
+from .async_save import PendingSave, make_stager
+from .deepspeed_engine import check_engine_options, is_deepspeed_engine, load_engine, save_engine
+from .errors import CheckpointError
+from .export import export_checkpoint
+from .rank_state import load_rank_state, write_rank_state
+from .torch_dist import import_torch_dist, quiet_single_process
 
 if TYPE_CHECKING:
     import torch
@@ -28,58 +34,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointManager", "CheckpointError"]
-
-RANK_STATE_NAME = "gpufleet-rank-{rank}.pt"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded as asked."""
-
-
-def _import_torch_dist() -> Any:
-    try:
-        import torch.distributed as dist
-    except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError("checkpoints need torch: pip install 'gpufleet[torch]'") from e
-    return dist
-
-
-@contextlib.contextmanager
-def quiet_single_process() -> Iterator[None]:
-    """Silence DCP's warning that a save/load without a process group is single-process."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
-
-
-def is_deepspeed_engine(obj: Any) -> bool:
-    """True for an object that checkpoints itself like a DeepSpeed engine."""
-    return callable(getattr(obj, "save_checkpoint", None)) and callable(getattr(obj, "load_checkpoint", None))
-
-
-class _PendingSave:
-    """An asynchronous save in flight; a thread waits for it and marks it complete."""
-
-    def __init__(self, manager: CheckpointManager, step: int, path: Path, future: Any, started: float) -> None:
-        self.step = step
-        self.path = path
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(manager, future, started), name=f"gpufleet-ckpt-{step}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, manager: CheckpointManager, future: Any, started: float) -> None:
-        try:
-            future.result()
-            manager._finish(self.step, self.path, started, is_async=True)
-        except BaseException as e:  # noqa: BLE001 - re-raised by wait()
-            self.error = e
-
-    def join(self) -> None:
-        self._thread.join()
-        if self.error is not None:
-            raise CheckpointError(f"asynchronous save of step {self.step} to {self.path} failed: {self.error}") from self.error
 
 
 class CheckpointManager:
@@ -152,15 +106,8 @@ class CheckpointManager:
         optimizers = [] if optimizer is None else list(optimizer) if isinstance(optimizer, Sequence) else [optimizer]
         if optimizers and model is None:
             raise ValueError("an optimizer is saved together with its model: pass model= as well")
-        if self.deepspeed and optimizers:
-            raise ValueError(
-                "a DeepSpeed engine saves its own optimizer: pass the engine as model= and no optimizer="
-            )
-        if self.deepspeed and async_save:
-            raise ValueError(
-                "async_save is not available for a DeepSpeed engine; use async_save=False (DeepSpeed "
-                "has its own asynchronous checkpoint engines, configured in its config)"
-            )
+        if self.deepspeed:
+            check_engine_options(optimizers, async_save)
         for name, obj in {"scheduler": scheduler, "dataloader": dataloader, **dict(stateful or {})}.items():
             if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ValueError(f"{name} must have state_dict() and load_state_dict(), got {type(obj).__name__}")
@@ -172,9 +119,9 @@ class CheckpointManager:
         self.async_save = async_save
         self.save_rng = save_rng
         self.last_save: dict[str, Any] = {}
-        self._pending: _PendingSave | None = None
+        self._pending: PendingSave | None = None
 
-        dist = _import_torch_dist()
+        dist = import_torch_dist()
         self._dist_on = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._dist_on else 0
         self.world_size = dist.get_world_size() if self._dist_on else 1
@@ -185,33 +132,9 @@ class CheckpointManager:
                 self._pg = dist.new_group(backend="gloo")
         self._stager: Any = None
         if async_save:
-            self._stager = self._make_stager(pinned_staging)
+            self._stager = make_stager(pinned_staging)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-
-    @staticmethod
-    def _make_stager(pinned_staging: bool | None) -> Any:
-        import torch
-
-        if pinned_staging is None:
-            pinned_staging = torch.cuda.is_available()
-        if not pinned_staging:
-            return None
-        try:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: F401 - probes for it
-        except ImportError:
-            logger.warning("this torch has no DCP DefaultStager: asynchronous saves stage without pinned memory")
-            return None
-        # Synchronous staging: save() returns once the state is copied, so training may change
-        # the weights right away; the files are written in the background.
-        return _kept_stager_class()(
-            StagingOptions(
-                use_pinned_memory=True,
-                use_shared_memory=False,
-                use_async_staging=False,
-                use_non_blocking_copy=torch.cuda.is_available(),  # DCP refuses it without CUDA
-            )
-        )
 
     # -- queries --------------------------------------------------------------------------
     def checkpoints(self) -> list[layout.CheckpointInfo]:
@@ -227,7 +150,7 @@ class CheckpointManager:
         if not self._dist_on:
             return
         if self._pg is not None:
-            _import_torch_dist().barrier(group=self._pg)
+            import_torch_dist().barrier(group=self._pg)
         else:
             from .. import runtime
 
@@ -236,7 +159,7 @@ class CheckpointManager:
     def _broadcast(self, value: Any) -> Any:
         if not self._dist_on:
             return value
-        dist = _import_torch_dist()
+        dist = import_torch_dist()
         box = [value]
         dist.broadcast_object_list(box, src=0, group=self._pg)
         return box[0]
@@ -258,21 +181,8 @@ class CheckpointManager:
             state[f"stateful.{name}"] = obj
         return state
 
-    def _rank_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"rank": self.rank, "world_size": self.world_size}
-        if self.save_rng:
-            state["rng"] = capture_rng_state()
-        if self.dataloader is not None:
-            state["dataloader"] = self.dataloader.state_dict()
-        return state
-
     def _write_rank_state(self, path: Path) -> None:
-        import torch
-
-        target = path / RANK_STATE_NAME.format(rank=self.rank)
-        tmp = target.with_name(f".{target.name}.tmp")
-        torch.save(self._rank_state(), tmp)
-        os.replace(tmp, target)
+        write_rank_state(path, self.rank, self.world_size, save_rng=self.save_rng, dataloader=self.dataloader)
 
     def _prepare_dir(self, path: Path) -> None:
         if self.rank == 0 and path.exists():
@@ -300,7 +210,7 @@ class CheckpointManager:
         started = time.perf_counter()
         self._prepare_dir(path)
         if self.deepspeed:
-            self._save_deepspeed(step, path)
+            save_engine(self.model, self.root, path, step, self.scheduler, self.stateful)
             self._write_rank_state(path)
             self._barrier()
             self._finish(step, path, started, is_async=False)
@@ -323,7 +233,9 @@ class CheckpointManager:
             self.last_save = {
                 "step": step, "async": True, "blocked_s": time.perf_counter() - started, "tensor_bytes": staged_bytes,
             }
-            self._pending = _PendingSave(self, step, path, future, started)
+            self._pending = PendingSave(
+                step, path, future, lambda: self._finish(step, path, started, is_async=True)
+            )
         else:
             with quiet_single_process():
                 dcp.save(state, checkpoint_id=str(path), process_group=self._pg, no_dist=not self._dist_on)
@@ -340,14 +252,6 @@ class CheckpointManager:
         import torch.distributed as dist
 
         return share_of_replicas(state, ("model", "optimizer"), dist.get_rank(self._pg), dist.get_world_size(self._pg))
-
-    def _save_deepspeed(self, step: int, path: Path) -> None:
-        client_state: dict[str, Any] = {"gpufleet_step": step}
-        if self.scheduler is not None:
-            client_state["gpufleet_scheduler"] = self.scheduler.state_dict()
-        for name, obj in self.stateful.items():
-            client_state[f"gpufleet_stateful.{name}"] = obj.state_dict()
-        self.model.save_checkpoint(str(self.root), tag=path.name, client_state=client_state, save_latest=False)
 
     def _finish(self, step: int, path: Path, started: float, *, is_async: bool) -> None:
         """Mark the checkpoint complete (rank 0) and prune old ones; every rank's data is written."""
@@ -432,12 +336,15 @@ class CheckpointManager:
         if fmt == "deepspeed":
             if not self.deepspeed:
                 raise CheckpointError(f"{path} was saved by a DeepSpeed engine: pass the engine as model=")
-            self._load_deepspeed(path)
+            load_engine(self.model, self.root, path, self.scheduler, self.stateful)
         else:
             if self.deepspeed:
                 raise CheckpointError(f"{path} is a DCP checkpoint and cannot be loaded into a DeepSpeed engine")
             self._load_dcp(path)
-        self._load_rank_state(path, int(marker.get("world_size", 0)))
+        saved_world_size = int(marker.get("world_size", 0))
+        load_rank_state(
+            path, self.rank, self.world_size, saved_world_size, save_rng=self.save_rng, dataloader=self.dataloader
+        )
         logger.info("resumed from %s", path)
         return step
 
@@ -455,41 +362,6 @@ class CheckpointManager:
                 )
             else:
                 set_model_state_dict(self.model, state["model"])
-
-    def _load_deepspeed(self, path: Path) -> None:
-        load_path, client_state = self.model.load_checkpoint(str(self.root), tag=path.name)
-        if load_path is None:
-            raise CheckpointError(f"DeepSpeed could not load the checkpoint in {path}")
-        client_state = client_state or {}
-        if self.scheduler is not None and "gpufleet_scheduler" in client_state:
-            self.scheduler.load_state_dict(client_state["gpufleet_scheduler"])
-        for name, obj in self.stateful.items():
-            key = f"gpufleet_stateful.{name}"
-            if key in client_state:
-                obj.load_state_dict(client_state[key])
-
-    def _load_rank_state(self, path: Path, saved_world_size: int) -> None:
-        if saved_world_size != self.world_size:
-            logger.warning(
-                "%s was saved by %d ranks and is loaded by %d: model, optimizer and scheduler are "
-                "restored, but the per-rank RNG states and data-loader positions are not",
-                path, saved_world_size, self.world_size,
-            )
-            return
-        import torch
-
-        file = path / RANK_STATE_NAME.format(rank=self.rank)
-        if not file.is_file():
-            raise CheckpointError(f"{file} is missing: the checkpoint {path} is incomplete")
-        # Our own file: RNG states and loader positions are Python objects, not only tensors.
-        state = torch.load(file, map_location="cpu", weights_only=False)
-        if self.dataloader is not None:
-            if "dataloader" in state:
-                self.dataloader.load_state_dict(state["dataloader"])
-            else:
-                logger.warning("%s holds no data-loader position; the loader starts from its beginning", path)
-        if self.save_rng and "rng" in state:
-            restore_rng_state(state["rng"])  # last: loading above must not move the generators
 
     # -- export ---------------------------------------------------------------------------
     def export(
@@ -515,8 +387,6 @@ class CheckpointManager:
         Returns:
             ``out_dir``.
         """
-        from .export import export_checkpoint
-
         self.wait()
         if step is None:
             latest = self.latest()
@@ -529,39 +399,3 @@ class CheckpointManager:
         self._barrier()
         return out
 
-
-_KEPT_STAGER: Any = None
-
-
-def _kept_stager_class() -> Any:
-    """DCP's ``DefaultStager`` whose pinned buffers survive every save.
-
-    DCP's stager keeps the pinned host copies of the tensors it staged and reuses them on the
-    next save, but torch 2.11 throws them away after each save: ``DefaultStager._stage`` closes
-    its inner ``StateDictStager`` once the copy is done, which frees the pinned buffers (each save
-    would pin the whole state again) and empties its copy table (the next save fails with
-    ``KeyError: <class 'type'>``). Later releases keep them, but their ``async_save`` may close
-    the stager it is given. This subclass ignores both closes; the manager frees the buffers
-    with ``release()``.
-    """
-    global _KEPT_STAGER
-    if _KEPT_STAGER is None:
-        from torch.distributed.checkpoint.staging import DefaultStager
-
-        class KeptStager(DefaultStager):  # type: ignore[misc]
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                super().__init__(*args, **kwargs)
-                inner = self._state_dict_stager
-                self._inner_close = inner.close
-                inner.close = lambda: None  # torch 2.11 calls it after every save
-
-            def close(self) -> None:
-                """Keep the buffers for the next save (see :func:`_kept_stager_class`)."""
-
-            def release(self) -> None:
-                """Free the pinned buffers."""
-                self._inner_close()
-                DefaultStager.close(self)
-
-        _KEPT_STAGER = KeptStager
-    return _KEPT_STAGER

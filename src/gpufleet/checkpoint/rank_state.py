@@ -1,0 +1,66 @@
+"""Each rank's own file in a checkpoint: its RNG states and its data loader's position."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointError
+from .rng import capture_rng_state, restore_rng_state
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RANK_STATE_NAME", "write_rank_state", "load_rank_state"]
+
+RANK_STATE_NAME = "gpufleet-rank-{rank}.pt"
+
+
+def write_rank_state(path: Path, rank: int, world_size: int, *, save_rng: bool, dataloader: Any) -> None:
+    """Write this rank's file into the checkpoint folder ``path`` (atomically)."""
+    import torch
+
+    state: dict[str, Any] = {"rank": rank, "world_size": world_size}
+    if save_rng:
+        state["rng"] = capture_rng_state()
+    if dataloader is not None:
+        state["dataloader"] = dataloader.state_dict()
+    target = path / RANK_STATE_NAME.format(rank=rank)
+    tmp = target.with_name(f".{target.name}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, target)
+
+
+def load_rank_state(
+    path: Path, rank: int, world_size: int, saved_world_size: int, *, save_rng: bool, dataloader: Any
+) -> None:
+    """Restore this rank's data-loader position and RNG states from ``path``.
+
+    Nothing is restored (with a warning) when the checkpoint was saved by another number of
+    ranks: the per-rank states then have no owner.
+
+    Raises:
+        CheckpointError: this rank's file is missing.
+    """
+    if saved_world_size != world_size:
+        logger.warning(
+            "%s was saved by %d ranks and is loaded by %d: model, optimizer and scheduler are "
+            "restored, but the per-rank RNG states and data-loader positions are not",
+            path, saved_world_size, world_size,
+        )
+        return
+    import torch
+
+    file = path / RANK_STATE_NAME.format(rank=rank)
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing: the checkpoint {path} is incomplete")
+    # Our own file: RNG states and loader positions are Python objects, not only tensors.
+    state = torch.load(file, map_location="cpu", weights_only=False)
+    if dataloader is not None:
+        if "dataloader" in state:
+            dataloader.load_state_dict(state["dataloader"])
+        else:
+            logger.warning("%s holds no data-loader position; the loader starts from its beginning", path)
+    if save_rng and "rng" in state:
+        restore_rng_state(state["rng"])  # last: loading above must not move the generators
