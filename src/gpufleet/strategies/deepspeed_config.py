@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import DeepSpeedConfig, StrategyConfigError
+from .options import DeepSpeedConfig, StrategyConfigError
 
 __all__ = ["build_deepspeed_config"]
 
