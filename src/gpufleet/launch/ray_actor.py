@@ -24,26 +24,20 @@ from typing import IO, Any
 from ..results import RunDir, read_outcome
 from ..workload.envs import DEPENDENCIES_ENV
 from .ports import find_free_port
-from .proctree import popen_in_own_group, stop_process_tree
-from .worker import PARENT_PID_ENV
+from .proctree import popen_in_own_group, stop_tree
+from .spec import PARENT_PID_ENV, Payload, default_threads
 
 # Lines kept between two polls; beyond this the oldest are dropped (the caller is told).
 _MAX_PENDING_LINES = 100_000
 
 
 def _stop_tree(proc: subprocess.Popen[bytes], grace_period_s: float) -> None:
-    """Stop the worker's process group and every descendant: TERM, grace period, KILL.
+    """Stop the child's process group and every descendant: TERM, grace period, KILL.
 
-    Descendants are taken once, before the first signal: other ranks of the same run may
-    share this node, so the run's id cannot tell this rank's processes from theirs.
+    Without the run's id: other ranks of the same run may share this node, so the id cannot
+    tell this child's processes from theirs.
     """
-    import psutil
-
-    try:
-        family = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        family = []
-    stop_process_tree([proc], grace_period_s, lambda: family, poll_s=0.05)
+    stop_tree([proc], grace_period_s, poll_s=0.05)
 
 
 class ChildProcess:
@@ -160,13 +154,16 @@ class RankProcess(ChildProcess):
         self.run_dir = RunDir(self.dir)
         self._outcome_sent = False
 
-    def start(self, call_bytes: bytes, env: dict[str, str]) -> int:
-        """Start the rank's worker process with ``env`` on top of the actor's environment."""
-        import pickle
+    def start(self, payload: Payload, env: dict[str, str]) -> int:
+        """Start the rank's worker process with ``env`` on top of the actor's environment.
 
-        self.run_dir.payload.write_bytes(pickle.dumps({"call": call_bytes, "sys_path": []}))
+        ``payload`` is the launch spec's payload as it is (``fast_exit`` included); its import
+        paths are the caller's, which mean nothing here, so the actor's own are used.
+        """
+        self.run_dir.payload.write_bytes(Payload(payload.call, (), payload.fast_exit).dumps())
         full_env = dict(os.environ)
         full_env.update(env)
+        full_env.update(default_threads(full_env, int(env.get("LOCAL_WORLD_SIZE", "1"))))
         # The actor's import path holds the code shipped through the runtime_env.
         paths = [p for p in sys.path if p and os.path.exists(p)]
         if full_env.get("PYTHONPATH"):

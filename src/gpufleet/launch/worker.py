@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..results import ERROR, OK, RunDir, write_outcome
-
-PARENT_PID_ENV = "GPUFLEET_PARENT_PID"
+from .spec import PARENT_PID_ENV, Payload
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -135,15 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.enable()  # a segfault prints the Python stack into the rank's log
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stack dump on hang diagnosis
 
-    import pickle
-
-    payload = pickle.loads(run_dir.payload.read_bytes())
-    for entry in payload.get("sys_path", []):
+    payload = Payload.loads(run_dir.payload.read_bytes())
+    for entry in payload.sys_path:
         if entry not in sys.path:
             sys.path.append(entry)
-    ok = run_rank(payload["call"], rank, run_dir.outcome(rank))
+    ok = run_rank(payload.call, rank, run_dir.outcome(rank))
     code = 0 if ok else 1
-    if payload.get("fast_exit", True):
+    if payload.fast_exit:
         fast_exit(code)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,77 +1,17 @@
-"""Tracking for ``@distributed`` calls: one MLflow run per attempt, local or on Ray.
-
-:func:`start_tracked_attempt` opens the MLflow run, puts its id into every rank's
-environment, starts the run, and returns it wrapped so that, when the attempt ends, the
-per-rank logs are uploaded and the final status is set. It takes either launcher's run
-(:class:`~gpufleet.launch.local.LocalRun` or :class:`~gpufleet.launch.ray.RayRun`): both
-take extra rank environment with ``add_env`` before their ranks start.
-"""
+"""Tracking for ``@distributed`` calls: one MLflow run per attempt, as a controller callback."""
 
 from __future__ import annotations
 
 import inspect
 import os
-import threading
 import traceback
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from ..launch.controller import ControllerCallback
+from ..launch.group import WorkerGroup
 from .runs import TrackedRun, start_tracked_run
-
-_TERMINAL = ("SUCCESS", "FAILED", "CANCELED", "TIMEDOUT")
-
-
-class TrackedAttempt:
-    """A launched run (local or Ray) and its MLflow run; behaves like the run it wraps.
-
-    Attributes:
-        tracked: the :class:`~gpufleet.tracking.TrackedRun` of this attempt.
-    """
-
-    def __init__(self, run: Any, tracked: TrackedRun, *, log_num_nodes: bool = False) -> None:
-        self._run = run
-        self.tracked = tracked
-        self._log_num_nodes = log_num_nodes
-        self._finish_lock = threading.Lock()
-        self._finished = False
-
-    @property
-    def mlflow_run_id(self) -> str | None:
-        """The MLflow run id of this attempt."""
-        return self.tracked.run_id
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._run, name)
-
-    def wait(self) -> list[Any]:
-        """Wait for the ranks (as the wrapped run does), then close the MLflow run."""
-        try:
-            result = self._run.wait()
-        except BaseException as e:
-            self._finish(e)
-            raise
-        self._finish(None)
-        return result
-
-    def _finish(self, error: BaseException | None) -> None:
-        with self._finish_lock:
-            if self._finished:
-                return
-            self._finished = True
-        run = self._run
-        status = run.status if run.status in _TERMINAL else "FAILED"
-        if self._log_num_nodes and run.num_nodes is not None:  # Ray: known once the ranks were placed
-            self.tracked.log_params({"gpufleet.num_nodes": run.num_nodes})
-        self.tracked.log_artifacts(sorted(run.run_dir.path.glob("rank-*.log")), "logs")
-        if error is not None and status in ("FAILED", "TIMEDOUT"):  # root cause, remote traceback, other ranks
-            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-            self.tracked.log_text(text, "error.txt")
-        self.tracked.end(status)
-
-
-TrackedLocalRun = TrackedAttempt  # the name it had while only local runs were tracked
-
 
 _MAX_ITEMS = 50  # longer lists/dicts among the arguments are logged as their type only
 
@@ -122,70 +62,88 @@ def local_store_warning(uri: str, hosts: list[str]) -> str | None:
     )
 
 
-def start_tracked_attempt(
-    run: Any, *, launcher: str, function_name: str, gpus: int | None, gpu_type: str | None,
-    experiment_name: str | None, attempt: int, max_retries: int, timeout: float | None,
-    arguments: Mapping[str, Any] | None = None,
-) -> Any:
-    """Open an MLflow run for a not yet started run, start it, and wrap it.
+class TrackingCallback(ControllerCallback):
+    """One MLflow run per attempt of a ``@distributed`` call, local or on Ray.
 
-    Every rank gets ``MLFLOW_RUN_ID``, ``MLFLOW_TRACKING_URI`` and the experiment in its
-    environment. A local run's size is known before it starts; a Ray run's number of ranks
-    is known once ``start()`` has checked the cluster (its ranks start later, in ``wait()``),
-    so it is logged then, and its number of nodes, known once the ranks are placed, is
-    logged when the attempt ends.
-    Returns the started run itself when tracking ends up disabled (MLflow missing).
+    Before the ranks start it opens the attempt's MLflow run and gives every rank
+    ``MLFLOW_RUN_ID``, ``MLFLOW_TRACKING_URI`` and the experiment; when the attempt ends it
+    uploads the per-rank logs (and the error, for a failure or timeout) and sets the run's
+    final status. A local group's size is known before it starts; a Ray group's once it has
+    checked the cluster, and its number of nodes once the ranks are placed (logged at the end).
 
     Args:
-        run: a ``LocalRun`` or ``RayRun`` that has not started yet.
         launcher: ``"local"`` or ``"ray"``, recorded as the ``gpufleet.launcher`` tag.
         function_name: the decorated function's qualified name.
         gpus: the ``gpus`` setting of the call.
         gpu_type: the ``gpu_type`` setting of the call.
         experiment_name: the MLflow experiment, or None for the default one.
-        attempt: the attempt number (0 for the first).
         max_retries: the call's ``max_retries``.
         timeout: the call's timeout in seconds, or None.
         arguments: the call's arguments as parameters (:func:`call_parameters`), or None.
     """
-    params: dict[str, Any] = {
-        "gpufleet.function": function_name,
-        "gpufleet.gpus": gpus,
-        "gpufleet.gpu_type": gpu_type,
-    }
-    if launcher == "local":
-        params.update({"gpufleet.world_size": run.num_ranks, "gpufleet.num_nodes": 1})
-    params.update({"gpufleet.attempt": attempt, "gpufleet.max_retries": max_retries, "gpufleet.timeout_s": timeout})
-    params.update(arguments or {})
-    tracked = start_tracked_run(
-        experiment_name,
-        run.run_id,
-        params=params,
-        system_metrics=launcher == "local",  # on Ray each node samples itself (launch/ray_actor.py)
-        tags={
-            "gpufleet.run_id": run.run_id,
-            "gpufleet.run_dir": str(run.run_dir.path),
-            "gpufleet.function": function_name,
-            "gpufleet.launcher": launcher,
-        },
-    )
-    if not tracked.enabled:
-        return run.start()
-    run.add_env(tracked.env())
-    try:
-        run.start()
-    except BaseException:
-        tracked.end("FAILED")
-        raise
-    if launcher == "local":
-        return TrackedAttempt(run, tracked)
-    tracked.log_params({"gpufleet.world_size": run.num_ranks})
-    problem = local_store_warning(tracked.tracking_uri or "", run.cluster_hosts)
-    if problem:
-        warnings.warn(problem, RuntimeWarning, stacklevel=2)
-    return TrackedAttempt(run, tracked, log_num_nodes=True)
 
+    def __init__(
+        self, *, launcher: str, function_name: str, gpus: int | None, gpu_type: str | None,
+        experiment_name: str | None, max_retries: int, timeout: float | None,
+        arguments: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._launcher = launcher
+        self._function_name = function_name
+        self._gpus = gpus
+        self._gpu_type = gpu_type
+        self._experiment_name = experiment_name
+        self._max_retries = max_retries
+        self._timeout = timeout
+        self._arguments = dict(arguments or {})
+        self._tracked: dict[int, TrackedRun] = {}
 
-def start_tracked_local_run(run: Any, **settings: Any) -> Any:
-    """:func:`start_tracked_attempt` for a ``LocalRun``."""
-    return start_tracked_attempt(run, launcher="local", **settings)
+    def before_start(self, group: WorkerGroup, attempt: int) -> None:
+        params: dict[str, Any] = {
+            "gpufleet.function": self._function_name,
+            "gpufleet.gpus": self._gpus,
+            "gpufleet.gpu_type": self._gpu_type,
+        }
+        if self._launcher == "local":
+            params.update({"gpufleet.world_size": group.num_ranks, "gpufleet.num_nodes": 1})
+        params.update({
+            "gpufleet.attempt": attempt, "gpufleet.max_retries": self._max_retries, "gpufleet.timeout_s": self._timeout,
+        })
+        params.update(self._arguments)
+        tracked = start_tracked_run(
+            self._experiment_name,
+            group.run_id,
+            params=params,
+            system_metrics=self._launcher == "local",  # on Ray each node samples itself (launch/ray_actor.py)
+            tags={
+                "gpufleet.run_id": group.run_id,
+                "gpufleet.run_dir": str(group.run_dir.path),
+                "gpufleet.function": self._function_name,
+                "gpufleet.launcher": self._launcher,
+            },
+        )
+        if not tracked.enabled:
+            return
+        self._tracked[attempt] = tracked
+        group.add_env(tracked.env())
+        group.mlflow_run_id = tracked.run_id
+
+    def after_start(self, group: WorkerGroup, attempt: int) -> None:
+        tracked = self._tracked.get(attempt)
+        if tracked is None or self._launcher == "local":
+            return
+        tracked.log_params({"gpufleet.world_size": group.num_ranks})
+        problem = local_store_warning(tracked.tracking_uri or "", getattr(group, "cluster_hosts", []))
+        if problem:
+            warnings.warn(problem, RuntimeWarning, stacklevel=2)
+
+    def on_end(self, group: WorkerGroup, attempt: int, state: str, error: BaseException | None) -> None:
+        tracked = self._tracked.pop(attempt, None)
+        if tracked is None:
+            return
+        if self._launcher != "local" and group.num_nodes is not None:  # Ray: known once the ranks were placed
+            tracked.log_params({"gpufleet.num_nodes": group.num_nodes})
+        tracked.log_artifacts(sorted(group.run_dir.path.glob("rank-*.log")), "logs")
+        if error is not None and state in ("FAILED", "TIMEDOUT"):  # root cause, remote traceback, other ranks
+            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            tracked.log_text(text, "error.txt")
+        tracked.end(state)

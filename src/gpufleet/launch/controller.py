@@ -1,0 +1,350 @@
+"""The controller: runs a worker group's attempts to an outcome.
+
+One loop for every launcher. It owns what no worker group decides for itself: the deadline,
+the settle window after a first failure (so identical errors on several ranks are grouped and
+a secondary error does not hide the root cause), cancel and Ctrl-C, failure classification,
+retries within the time left, and the tracking hooks (:class:`ControllerCallback`). A worker
+group only starts, polls and stops (:mod:`gpufleet.launch.group`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import DistributedTimeoutError, RunCanceledError, WorkerGroupError
+from ..states import CANCELED, FAILED, PENDING, RUNNING, SUCCESS, TIMEDOUT, RunState
+from .failures import failed_error, load_values
+from .group import GroupStartCanceled, GroupStatus, WorkerGroup
+
+logger = logging.getLogger(__name__)
+
+#: A retry needs at least this much of the call's timeout left.
+MIN_RETRY_S = 1.0
+#: How long the other ranks may still report after a first failure.
+SETTLE_S = 1.0
+
+_active: weakref.WeakSet[Controller] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_active() -> None:
+    """A caller that exits stops its runs (a submitted run must not outlive it unseen)."""
+    for controller in list(_active):
+        controller.cancel("the calling process is exiting", grace_period_s=1.0)
+    for controller in list(_active):
+        controller.finished.wait(5.0)
+
+
+class ControllerCallback:
+    """Hooks around each attempt (tracking uses them); every method is optional.
+
+    An exception raised by a hook is logged and never changes the run's outcome.
+    """
+
+    def before_start(self, group: WorkerGroup, attempt: int) -> None:
+        """The group exists and has not started: it still takes environment (``add_env``)."""
+
+    def after_start(self, group: WorkerGroup, attempt: int) -> None:
+        """The group started (a Ray group knows its size now)."""
+
+    def on_end(self, group: WorkerGroup, attempt: int, state: RunState, error: BaseException | None) -> None:
+        """The attempt ended in ``state``; ``error`` is what the caller gets for it, if any."""
+
+
+@dataclass(frozen=True)
+class AttemptOutcome:
+    """How one attempt ended: its state, the values (on success) or the error."""
+
+    state: RunState
+    values: list[Any] | None = None
+    error: BaseException | None = None
+    status: GroupStatus | None = None
+
+
+class Controller:
+    """Runs attempts of one worker group until one succeeds or no retry is left.
+
+    Args:
+        make_group: builds the worker group of attempt ``n`` (not started).
+        timeout_s: seconds for the whole run (or for each attempt, see ``timeout_per_attempt``);
+            None for no limit.
+        grace_period_s: how long ranks may take to stop after SIGTERM.
+        max_retries: attempts after the first one.
+        retry_on: end states of an attempt that are retried.
+        timeout_per_attempt: the deadline restarts with every attempt (workloads) instead of
+            covering the whole run (calls).
+        callbacks: hooks around each attempt.
+        first_attempt: the number of the first attempt (calls count from 0, workloads from 1).
+        timeout_subject: how the timeout error names what ran out of time ("the call").
+        poll_s: how long one poll may wait for news.
+        settle_s: how long the other ranks may report after a first failure.
+        clock: a monotonic clock (tests pass a fake one).
+    """
+
+    def __init__(
+        self,
+        make_group: Callable[[int], WorkerGroup],
+        *,
+        timeout_s: float | None,
+        grace_period_s: float = 5.0,
+        max_retries: int = 0,
+        retry_on: Sequence[RunState] = (FAILED,),
+        timeout_per_attempt: bool = False,
+        callbacks: Sequence[ControllerCallback] = (),
+        first_attempt: int = 0,
+        timeout_subject: str = "the call",
+        poll_s: float = 0.02,
+        settle_s: float = SETTLE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._make_group = make_group
+        self._timeout_s = timeout_s
+        self._grace_period_s = grace_period_s
+        self._max_retries = max_retries
+        self._retry_on = tuple(retry_on)
+        self._timeout_per_attempt = timeout_per_attempt
+        self._callbacks = list(callbacks)
+        self._first_attempt = first_attempt
+        self._timeout_subject = timeout_subject
+        self._poll_s = poll_s
+        self._settle_s = settle_s
+        self._clock = clock
+        self._deadline: float | None = None if timeout_s is None else clock() + timeout_s
+        self._cancel: tuple[str, float | None] | None = None
+        self._lock = threading.Lock()
+        self.attempt = first_attempt
+        self.group: WorkerGroup | None = None
+        self.state: RunState = PENDING
+        self.finished = threading.Event()
+        self.values: list[Any] | None = None
+        self.error: BaseException | None = None
+        self.outcomes: list[AttemptOutcome] = []
+
+    # -- public ---------------------------------------------------------------------------
+    def start(self) -> WorkerGroup:
+        """Start the first attempt now (a wrong setting raises here, before anything runs)."""
+        _active.add(self)
+        try:
+            return self._begin_attempt()
+        except BaseException as e:
+            self._end(FAILED, None, e)
+            raise
+
+    def run(self) -> list[Any]:
+        """Watch attempts to the end: every rank's value in rank order, or raise the run's error.
+
+        A ``KeyboardInterrupt`` stops every rank, ends the run CANCELED and is raised again.
+        """
+        if self.finished.is_set():
+            return self.outcome()
+        if self.group is None:
+            self.start()
+        try:
+            while True:
+                assert self.group is not None
+                result = self._watch(self.group)
+                self.outcomes.append(result)
+                self._notify_end(self.group, result.state, result.error)
+                if result.state == SUCCESS:
+                    self._end(SUCCESS, result.values, None)
+                    return result.values  # type: ignore[return-value]
+                if not self._retryable(result.state):
+                    self._end(result.state, None, result.error)
+                    raise result.error  # type: ignore[misc]
+                self.attempt += 1
+                logger.warning(
+                    "run %s ended %s; retry %d of %d",
+                    self.group.run_id, result.state, self.attempt - self._first_attempt, self._max_retries,
+                )
+                try:
+                    self._begin_attempt()
+                except BaseException as e:
+                    self._end(FAILED, None, e)
+                    raise
+        except KeyboardInterrupt:
+            self._interrupted()
+            raise
+
+    def cancel(self, reason: str = "canceled by the user", grace_period_s: float | None = None) -> None:
+        """Ask the run to stop every rank; :meth:`run` then ends CANCELED."""
+        with self._lock:
+            if self.finished.is_set() or self._cancel is not None:
+                return
+            self._cancel = (reason, grace_period_s)
+        group = self.group
+        if group is not None:
+            group.abort.set()
+
+    @property
+    def canceled(self) -> bool:
+        """Whether a cancel was asked for."""
+        return self._cancel is not None
+
+    def outcome(self) -> list[Any]:
+        """The values of a finished run, or its error raised."""
+        if self.error is not None:
+            raise self.error
+        assert self.values is not None
+        return self.values
+
+    def time_left(self) -> float | None:
+        """Seconds left before the deadline (None: no deadline)."""
+        return None if self._deadline is None else self._deadline - self._clock()
+
+    # -- attempts -------------------------------------------------------------------------
+    def _begin_attempt(self) -> WorkerGroup:
+        if self._timeout_per_attempt and self._timeout_s is not None:
+            self._deadline = self._clock() + self._timeout_s
+        group = self._make_group(self.attempt)
+        self.group = group
+        if self._cancel is not None:
+            group.abort.set()
+        self.state = PENDING
+        self._call_hooks("before_start", group)
+        try:
+            group.start()
+        except BaseException as e:
+            group.close(False)
+            self._notify_end(group, FAILED, e)
+            raise
+        if group.starts_at_once:
+            self.state = RUNNING
+        self._call_hooks("after_start", group)
+        return group
+
+    def _watch(self, group: WorkerGroup) -> AttemptOutcome:
+        """Poll the group until its attempt has an outcome."""
+        try:
+            while True:
+                if self._cancel is not None:
+                    return self._canceled(group)
+                status = group.poll(self._poll_s)
+                if status.started and self.state == PENDING:
+                    self.state = RUNNING
+                if status.failures:
+                    return self._failed(group, status)
+                if status.succeeded:
+                    group.close(True)
+                    try:
+                        values = load_values(status.results, status.num_ranks, str(group.run_dir.path), group.log_path)
+                    except WorkerGroupError as e:
+                        return AttemptOutcome(FAILED, error=e, status=status)
+                    return AttemptOutcome(SUCCESS, values=values, status=status)
+                left = self.time_left()
+                if left is not None and left <= 0:
+                    return self._timed_out(group)
+        except GroupStartCanceled:
+            return self._canceled(group)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # the launcher itself broke (a lost cluster connection, say)
+            status = group.stop(f"stopped because the launcher failed: {e}", 1.0)
+            group.close(False)
+            error = WorkerGroupError(
+                dict(status.failures), status.num_ranks, str(group.run_dir.path),
+                f"the launcher failed: {type(e).__name__}: {e}",
+            )
+            error.__cause__ = e
+            return AttemptOutcome(FAILED, error=error, status=status)
+
+    def _failed(self, group: WorkerGroup, status: GroupStatus) -> AttemptOutcome:
+        # Let the other ranks report for a moment: the same error on several ranks is then
+        # grouped, and a secondary error does not hide the root cause.
+        settle_until = self._clock() + self._settle_s
+        while self._clock() < settle_until and not status.finished and self._cancel is None:
+            status = group.poll(self._poll_s)
+        first = status.first_failure()
+        assert first is not None
+        status = group.stop(f"stopped by gpufleet after rank {first.rank} failed", self._grace_period_s)
+        group.close(False)
+        error = failed_error(status.failures, status.num_ranks, str(group.run_dir.path))
+        return AttemptOutcome(FAILED, error=error, status=status)
+
+    def _canceled(self, group: WorkerGroup) -> AttemptOutcome:
+        reason, grace = self._cancel or ("canceled", None)
+        status = group.stop(reason, self._grace_period_s if grace is None else grace)
+        group.close(False)
+        error = RunCanceledError(
+            dict(status.failures), status.num_ranks, str(group.run_dir.path),
+            f"the run was canceled ({reason}); every rank was stopped",
+        )
+        return AttemptOutcome(CANCELED, error=error, status=status)
+
+    def _timed_out(self, group: WorkerGroup) -> AttemptOutcome:
+        timeout = self._timeout_s or 0.0
+        status = group.stop(
+            f"still running at the timeout of {timeout:g} s (its stack at that moment is at the end of its log)",
+            self._grace_period_s,
+            dump_stacks=True,
+        )
+        group.close(False)
+        error = DistributedTimeoutError(
+            dict(status.failures), status.num_ranks, str(group.run_dir.path),
+            f"{self._timeout_subject} ran past its timeout of {timeout:g} s; every rank was stopped",
+        )
+        return AttemptOutcome(TIMEDOUT, error=error, status=status)
+
+    def _interrupted(self) -> None:
+        """Stop every rank after a Ctrl-C in the caller (who then re-raises it)."""
+        group = self.group
+        if self.finished.is_set() or group is None:
+            return
+        print(f"gpufleet: interrupted; stopping all {group.num_ranks} ranks of run {group.run_id}", file=sys.stderr)
+        reason = "interrupted (KeyboardInterrupt)"
+        status: GroupStatus | None = None
+        try:
+            try:
+                status = group.stop(reason, min(2.0, self._grace_period_s))
+            except KeyboardInterrupt:  # a second Ctrl-C: no more grace
+                status = group.stop(reason, 0.0)
+                raise
+        finally:
+            group.close(False)
+            error = RunCanceledError(
+                dict(status.failures) if status else {}, group.num_ranks, str(group.run_dir.path),
+                "the run was interrupted; every rank was stopped",
+            )
+            self._notify_end(group, CANCELED, error)
+            self._end(CANCELED, None, error)
+
+    def _retryable(self, state: RunState) -> bool:
+        """A retried end state, retries left, not canceled, and time left for another attempt."""
+        if self._cancel is not None or state not in self._retry_on:
+            return False
+        if self.attempt - self._first_attempt >= self._max_retries:
+            return False
+        left = self.time_left()
+        if not self._timeout_per_attempt and left is not None and left < MIN_RETRY_S:
+            run_id = self.group.run_id if self.group else "?"
+            logger.warning(
+                "run %s failed and is not retried: the call's timeout leaves %.1f s", run_id, max(left, 0.0)
+            )
+            return False
+        return True
+
+    # -- ending ---------------------------------------------------------------------------
+    def _end(self, state: RunState, values: list[Any] | None, error: BaseException | None) -> None:
+        with self._lock:
+            if self.finished.is_set():
+                return
+            self.state, self.values, self.error = state, values, error
+            self.finished.set()
+        _active.discard(self)
+
+    def _notify_end(self, group: WorkerGroup, state: RunState, error: BaseException | None) -> None:
+        self._call_hooks("on_end", group, state, error)
+
+    def _call_hooks(self, name: str, group: WorkerGroup, *args: Any) -> None:
+        for callback in self._callbacks:
+            try:
+                getattr(callback, name)(group, self.attempt, *args)
+            except Exception as e:  # tracking trouble never changes the run's outcome
+                logger.warning("run %s: %s hook of %s failed: %s", group.run_id, name, type(callback).__name__, e)

@@ -1,0 +1,68 @@
+"""Each rank's output: into its log file, and filtered, with a ``[rank N]`` prefix, to the caller."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """What each rank's output shows in the caller: full ranks plus everyone's stderr."""
+
+    enabled: bool = True
+    full_ranks: str | tuple[int, ...] = (0,)  # "all" or rank numbers streamed in full
+    stderr: bool = True  # every other rank's stderr (warnings, errors)
+
+    def shows(self, rank: int, is_stderr: bool) -> bool:
+        """Whether a line of ``rank`` (from stderr or stdout) is shown in the caller."""
+        if not self.enabled:
+            return False
+        if self.full_ranks == "all" or rank in self.full_ranks:
+            return True
+        return is_stderr and self.stderr
+
+
+def echo_line(logs: LogConfig, rank: int, is_stderr: bool, line: bytes, out: IO[str], err: IO[str]) -> None:
+    """Show one output line of ``rank`` in the caller with a ``[rank R]`` prefix, if ``logs`` says so."""
+    if not logs.shows(rank, is_stderr):
+        return
+    text = line.decode("utf-8", "replace")
+    prefix = f"[rank {rank}] "
+    sink = err if is_stderr else out
+    try:
+        sink.write(prefix + text if text.endswith("\n") else prefix + text + "\n")
+        sink.flush()
+    except Exception:  # the caller's stream closed: the log file still has it
+        pass
+
+
+class RankLog:
+    """Writes one rank's lines into its log file and, filtered, to the caller's streams.
+
+    The caller's ``sys.stdout``/``sys.stderr`` are taken when the log opens, so a notebook
+    cell's output goes to the cell that launched the run.
+    """
+
+    def __init__(self, rank: int, path: Path, logs: LogConfig) -> None:
+        self.rank = rank
+        self._file = open(path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
+        self._lock = threading.Lock()
+        self._logs = logs
+        self._out: IO[str] = sys.stdout
+        self._err: IO[str] = sys.stderr
+
+    def write(self, line: bytes, is_stderr: bool) -> None:
+        """Append one line to the log file and echo it if the config says so."""
+        with self._lock:
+            if self._file.closed:
+                return
+            self._file.write(line)
+        echo_line(self._logs, self.rank, is_stderr, line, self._out, self._err)
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()

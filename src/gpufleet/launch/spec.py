@@ -1,0 +1,158 @@
+"""The launch spec: the rank environment contract and the payload format, for every launcher.
+
+A :class:`LaunchSpec` says what one attempt runs (world size, nodes, extra environment, the
+pickled call) independently of where its processes come from. Local processes, Ray actors and
+workload nodes all build their ranks' environments from it, so the torchrun contract (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ...) is written once, here.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+#: Set in each rank's environment: the caller's pid (a rank ends itself when its caller is gone).
+PARENT_PID_ENV = "GPUFLEET_PARENT_PID"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where rank 0's (node 0's) rendezvous store listens."""
+
+    addr: str
+    port: int
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """One rank's place in the world: its global rank, node, and rank on that node."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    local_world_size: int
+
+
+def local_slots(num_ranks: int) -> list[RankSlot]:
+    """The slots of ``num_ranks`` ranks that all run on one node."""
+    return [RankSlot(r, r, 0, num_ranks) for r in range(num_ranks)]
+
+
+def slots_by_node(node_of_rank: list[str]) -> list[RankSlot]:
+    """Slots for ranks placed on nodes (``node_of_rank[i]`` is where rank ``i`` runs).
+
+    Ranks of one node must be consecutive; node ranks follow the order nodes first appear.
+    """
+    node_ranks: dict[str, int] = {}
+    local: dict[str, int] = {}
+    for node in node_of_rank:
+        node_ranks.setdefault(node, len(node_ranks))
+        local[node] = local.get(node, 0) + 1
+    seen: dict[str, int] = {}
+    slots = []
+    for rank, node in enumerate(node_of_rank):
+        slots.append(RankSlot(rank, seen.get(node, 0), node_ranks[node], local[node]))
+        seen[node] = seen.get(node, 0) + 1
+    return slots
+
+
+def default_threads(env: Mapping[str, str], local_world_size: int, cpu_count: int | None = None) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for a rank or node command, unless ``env`` already sets it.
+
+    The node's cores shared by its ranks (at least one each): the value torch would pick
+    alone oversubscribes a machine running several ranks, and torchrun's fallback of 1 is slow.
+    """
+    if "OMP_NUM_THREADS" in env:
+        return {}
+    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    return {"OMP_NUM_THREADS": str(max(1, cores // max(1, local_world_size)))}
+
+
+@dataclass(frozen=True)
+class Payload:
+    """What every rank runs: the cloudpickled ``(func, args, kwargs)`` and how to run it.
+
+    Attributes:
+        call: ``cloudpickle.dumps((func, args, kwargs))``.
+        sys_path: import paths of the caller that the worker appends to its own.
+        fast_exit: end the worker without module teardown once its outcome is written.
+    """
+
+    call: bytes
+    sys_path: tuple[str, ...] = ()
+    fast_exit: bool = True
+
+    def dumps(self) -> bytes:
+        """The payload file's bytes."""
+        data = {"call": self.call, "sys_path": list(self.sys_path), "fast_exit": self.fast_exit}
+        return pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
+
+    @classmethod
+    def loads(cls, data: bytes) -> Payload:
+        """Read a payload file's bytes."""
+        raw: dict[str, Any] = pickle.loads(data)
+        return cls(raw["call"], tuple(raw.get("sys_path", ())), bool(raw.get("fast_exit", True)))
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One attempt of a run, independent of the launcher that starts it.
+
+    Attributes:
+        run_id: the attempt's run id (``GPUFLEET_RUN_ID``, ``TORCHELASTIC_RUN_ID``).
+        world_size: total number of ranks.
+        num_nodes: nodes the ranks span.
+        use_gpus: ranks use GPUs (else ``CUDA_VISIBLE_DEVICES`` is emptied).
+        attempt: the attempt number (``GPUFLEET_ATTEMPT``).
+        env: extra environment for every rank (the user's ``env``, tracking's ``MLFLOW_*``).
+        payload: the call every rank runs; None for a workload's node commands.
+    """
+
+    run_id: str
+    world_size: int
+    num_nodes: int = 1
+    use_gpus: bool = False
+    attempt: int = 0
+    env: Mapping[str, str] = field(default_factory=dict)
+    payload: Payload | None = None
+
+    def with_env(self, extra: Mapping[str, str]) -> LaunchSpec:
+        """A copy whose ranks also get ``extra``."""
+        return replace(self, env={**self.env, **extra})
+
+    def node_env(self, node_rank: int, local_world_size: int, rendezvous: Rendezvous) -> dict[str, str]:
+        """What every process of node ``node_rank`` sees (a workload's node command gets just this).
+
+        ``RANK`` and ``LOCAL_RANK`` are not in it: a node command's launcher (torchrun) sets them.
+        """
+        env = dict(self.env)
+        env.update(
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_WORLD_SIZE=str(local_world_size),
+            NODE_RANK=str(node_rank),
+            NUM_NODES=str(self.num_nodes),
+            MASTER_ADDR=rendezvous.addr,
+            MASTER_PORT=str(rendezvous.port),
+            PYTHONUNBUFFERED="1",
+            GPUFLEET_RUN_ID=self.run_id,
+            GPUFLEET_ATTEMPT=str(self.attempt),
+        )
+        if not self.use_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # CPU workers must not pick up a GPU by accident
+        return env
+
+    def rank_env(self, slot: RankSlot, rendezvous: Rendezvous) -> dict[str, str]:
+        """The torchrun environment contract of one rank (on top of :meth:`node_env`)."""
+        env = self.node_env(slot.node_rank, slot.local_world_size, rendezvous)
+        env.update(
+            RANK=str(slot.rank),
+            LOCAL_RANK=str(slot.local_rank),
+            GROUP_RANK=str(slot.node_rank),
+            ROLE_RANK=str(slot.rank),
+            ROLE_WORLD_SIZE=str(self.world_size),
+            TORCHELASTIC_RUN_ID=self.run_id,
+        )
+        return env

@@ -1,0 +1,91 @@
+"""The settings of a distributed function, checked once, for every launcher."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .errors import LaunchConfigError
+
+__all__ = ["LaunchOptions", "make_options"]
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Settings of a distributed function (what ``@distributed(...)`` was given)."""
+
+    gpus: int | None = None
+    gpu_type: str | None = None
+    remote: bool | str = False
+    timeout: float | None = 10800
+    log_ranks: str | tuple[int, ...] = (0,)
+    stream_logs: bool = True
+    stream_stderr: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+    runs_dir: str | None = None
+    grace_period_s: float = 5.0
+    max_retries: int = 0
+    fast_exit: bool = True
+    name: str | None = None
+    ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
+    tracking: bool = True
+    experiment_name: str | None = None
+
+    def check(self) -> None:
+        """Reject wrong settings with a message that says what is allowed."""
+        if self.gpus is not None and (isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1):
+            raise LaunchConfigError(f"gpus must be a positive integer or None (every visible GPU), got {self.gpus!r}")
+        if self.gpu_type is not None and (not isinstance(self.gpu_type, str) or not self.gpu_type.strip()):
+            raise LaunchConfigError(f"gpu_type must be a GPU model such as 'H100', or 'cpu', got {self.gpu_type!r}")
+        if self.timeout is not None and (
+            isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
+            or not math.isfinite(self.timeout) or self.timeout <= 0
+        ):
+            raise LaunchConfigError(
+                f"timeout must be a positive, finite number of seconds, or None for no limit; got {self.timeout!r}"
+            )
+        if self.log_ranks != "all" and not (
+            isinstance(self.log_ranks, tuple) and all(isinstance(r, int) and r >= 0 for r in self.log_ranks)
+        ):
+            raise LaunchConfigError(f"log_ranks must be 'all' or a list of rank numbers, got {self.log_ranks!r}")
+        if not isinstance(self.env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()
+        ):
+            raise LaunchConfigError("env must be a dict of str to str (environment variables for every rank)")
+        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise LaunchConfigError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
+        if not isinstance(self.grace_period_s, (int, float)) or self.grace_period_s < 0:
+            raise LaunchConfigError(f"grace_period_s must be >= 0, got {self.grace_period_s!r}")
+        if not isinstance(self.tracking, bool):
+            raise LaunchConfigError(f"tracking must be True or False, got {self.tracking!r}")
+        if self.experiment_name is not None and (
+            not isinstance(self.experiment_name, str) or not self.experiment_name.strip()
+        ):
+            raise LaunchConfigError(
+                f"experiment_name must be a non-empty string (an MLflow experiment) or None, got {self.experiment_name!r}"
+            )
+        if not isinstance(self.remote, (bool, str)):
+            raise LaunchConfigError(f"remote must be False, True or a Ray address string, got {self.remote!r}")
+
+
+_OPTION_NAMES = {f for f in LaunchOptions.__dataclass_fields__}
+
+
+def make_options(base: LaunchOptions | None = None, **settings: Any) -> LaunchOptions:
+    """Checked options: ``base`` (or the defaults) with ``settings`` replaced.
+
+    The decorator and ``with_overrides`` both come here, so a wrong setting gets the same
+    :class:`LaunchConfigError` from either.
+    """
+    unknown = sorted(set(settings) - _OPTION_NAMES)
+    if unknown:
+        raise LaunchConfigError(
+            f"unknown option(s) {', '.join(unknown)}; known options: {', '.join(sorted(_OPTION_NAMES))}"
+        )
+    if "log_ranks" in settings and settings["log_ranks"] != "all":
+        value = settings["log_ranks"]
+        settings["log_ranks"] = tuple(value) if isinstance(value, (list, tuple, set, range)) else value
+    opts = replace(base, **settings) if base is not None else LaunchOptions(**settings)
+    opts.check()
+    return opts
