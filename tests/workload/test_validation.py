@@ -128,6 +128,7 @@ def test_schema_and_field_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(schema["required"]) == {"experiment_name", "compute", "command"}
     info = cli_json(capsys, "validate", "--explain", "compute.accelerator_type")
     assert info["required"] is True and "GPU_<n>x<TYPE>" in info["description"]
+    assert cli_json(capsys, "schema", "--explain", "code_source")["type"] == "CodeSourceConfig | None"
     rc, out, _ = cli(capsys, "schema", "--explain", "max_retries")
     assert rc == 0 and "default: 0" in out and "optional" in out
     rc, out, err = cli(capsys, "schema", "--explain", "compute.acelerator_type")

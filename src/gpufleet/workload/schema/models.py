@@ -1,0 +1,337 @@
+"""The pydantic models of a workload file: strict fields, their checks and their help text."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+_GPU_TYPE_RE = re.compile(r"^GPU_([1-9][0-9]{0,3})x([A-Za-z][A-Za-z0-9-]{0,31})$")
+_CPU_TYPE_RE = re.compile(r"^CPU_([1-9][0-9]{0,3})$")
+_EXPERIMENT_RE = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CLUSTER_RE = re.compile(r"^(auto|ray://[A-Za-z0-9.\-_\[\]:]+(:[0-9]{1,5})?|[A-Za-z0-9.\-_]+:[0-9]{1,5})$")
+
+#: Variables gpufleet sets for every node; ``env_variables`` may not set them.
+RESERVED_ENV = (
+    "CODE_SOURCE_PATH",
+    "NUM_NODES",
+    "NODE_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "MLFLOW_RUN_ID",
+    "HYPERPARAMETERS_PATH",
+    "GPUFLEET_RUN_ID",
+    "GPUFLEET_RUN_DIR",
+    "GPUFLEET_ATTEMPT",
+    "GPUFLEET_CHECKPOINT_DIR",
+)
+
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ComputeConfig(_Strict):
+    """Where and on what the workload runs."""
+
+    accelerator_type: str = Field(
+        description=(
+            "Accelerators of one node: GPU_<n>x<TYPE> (n GPUs of TYPE per node, e.g. GPU_8xH100) "
+            "or CPU_<n> (n CPU worker processes per node, e.g. CPU_2, for development and CI)."
+        ),
+        examples=["GPU_8xH100", "GPU_1xA10", "CPU_2"],
+    )
+    num_accelerators: int = Field(
+        gt=0,
+        le=100000,
+        description=(
+            "Total accelerators of the run (WORLD_SIZE). A multiple of the per-node count of "
+            "accelerator_type; num_accelerators / per-node count = number of nodes."
+        ),
+        examples=[8, 16],
+    )
+    cluster: str | None = Field(
+        default=None,
+        description=(
+            "Ray cluster to run on: ray://<head>:<port>, <head>:<port> or 'auto'. Absent: this "
+            "machine (one node only)."
+        ),
+        examples=["ray://head:10001"],
+    )
+
+    ray_driver: bool = Field(
+        default=False,
+        description=(
+            "The command is a Ray driver (Ray Train, Tune or Data) that places its own workers: it "
+            "runs once instead of once per node, with RAY_ADDRESS set to the cluster, and gpufleet "
+            "reserves nothing, so the driver's workers can take every accelerator. Without a "
+            "cluster the command runs once on this machine as usual."
+        ),
+        examples=[True],
+    )
+
+    @field_validator("accelerator_type")
+    @classmethod
+    def _check_type(cls, v: str) -> str:
+        if not (_GPU_TYPE_RE.match(v) or _CPU_TYPE_RE.match(v)):
+            raise ValueError(
+                f"{v!r} is not an accelerator type; use GPU_<n>x<TYPE> (e.g. GPU_8xH100) "
+                "or CPU_<n> (e.g. CPU_2), n between 1 and 9999"
+            )
+        return v
+
+    @field_validator("cluster")
+    @classmethod
+    def _check_cluster(cls, v: str | None) -> str | None:
+        if v is not None and not _CLUSTER_RE.match(v):
+            raise ValueError(
+                f"{v!r} is not a Ray cluster address; use ray://<head>:<port>, <head>:<port> or 'auto'"
+            )
+        return v
+
+    @property
+    def per_node(self) -> int:
+        """Accelerators (worker processes) per node."""
+        m = _GPU_TYPE_RE.match(self.accelerator_type) or _CPU_TYPE_RE.match(self.accelerator_type)
+        assert m is not None
+        return int(m.group(1))
+
+    @property
+    def gpu_type(self) -> str | None:
+        """The GPU model (``H100``), or ``None`` for CPU workers."""
+        m = _GPU_TYPE_RE.match(self.accelerator_type)
+        return m.group(2) if m else None
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes the workload spans."""
+        return self.num_accelerators // self.per_node
+
+    @property
+    def command_nodes(self) -> int:
+        """How many times the command runs: once per node, or once for a Ray driver."""
+        return 1 if self.ray_driver else self.num_nodes
+
+    @field_validator("num_accelerators")
+    @classmethod
+    def _check_multiple(cls, v: int, info: ValidationInfo) -> int:
+        accel = info.data.get("accelerator_type")
+        m = (_GPU_TYPE_RE.match(accel) or _CPU_TYPE_RE.match(accel)) if isinstance(accel, str) else None
+        if m is None:
+            return v  # accelerator_type has its own error
+        per = int(m.group(1))
+        if v % per:
+            lower = v - v % per
+            hint = f"{lower} or {lower + per}" if lower else f"{per}"
+            raise ValueError(
+                f"{v} is not a multiple of the {per} accelerators per node of {accel}; use "
+                f"{hint}, or an accelerator_type with fewer per node"
+            )
+        return v
+
+
+class EnvironmentConfig(_Strict):
+    """Extra Python packages for the run."""
+
+    dependencies: list[str] = Field(
+        default_factory=list,
+        description=(
+            "pip requirement specs installed into a per-run virtual environment layered on the "
+            "current one (cached by the hash of the list), e.g. ['trl==1.16.0', 'mypkg @ file:///w/mypkg.whl']."
+        ),
+        examples=[["trl==1.16.0"]],
+    )
+
+    @field_validator("dependencies")
+    @classmethod
+    def _check_deps(cls, v: list[str]) -> list[str]:
+        from packaging.requirements import InvalidRequirement, Requirement
+
+        bad = []
+        for i, spec in enumerate(v):
+            s = spec.strip()
+            if not s or s.startswith("-"):
+                bad.append(f"[{i}] {spec!r} (pip options are not allowed, only requirement specs)")
+                continue
+            if "/" in s or s.startswith("."):
+                continue  # a local path or URL of a wheel / sdist
+            try:
+                Requirement(s)
+            except InvalidRequirement:
+                bad.append(f"[{i}] {spec!r}")
+        if bad:
+            raise ValueError(
+                "not pip requirement specs such as 'trl==1.16.0' or 'name @ file:///path.whl': "
+                + ", ".join(bad)
+            )
+        return v
+
+
+class CodeSourceConfig(_Strict):
+    """The code that travels with the run."""
+
+    root_path: str = Field(
+        default=".",
+        description=(
+            "Folder whose snapshot travels with the run (relative to the workload file). Files "
+            "ignored by .gitignore are left out. The command runs inside the snapshot "
+            "($CODE_SOURCE_PATH)."
+        ),
+        examples=[".", "../project"],
+    )
+    include_paths: list[str] | None = Field(
+        default=None,
+        description=(
+            "Files or folders under root_path to snapshot (relative paths); absent: all of root_path."
+        ),
+        examples=[["train.py", "configs"]],
+    )
+
+    @field_validator("root_path")
+    @classmethod
+    def _check_root(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must be a folder path such as '.'")
+        return v
+
+    @field_validator("include_paths")
+    @classmethod
+    def _check_includes(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        bad = []
+        for i, p in enumerate(v):
+            parts = Path(p).parts
+            if not p.strip() or Path(p).is_absolute() or ".." in parts or "\x00" in p:
+                bad.append(f"[{i}] {p!r}")
+        if bad:
+            raise ValueError(
+                "must be relative paths inside root_path (no absolute paths, no '..'): "
+                + ", ".join(bad)
+            )
+        return v
+
+
+_EnvValue = str | int | float | bool
+
+
+class WorkloadConfig(_Strict):
+    """A workload: what to run, on how many accelerators, with which code and parameters."""
+
+    experiment_name: str = Field(
+        description="MLflow experiment of the run: letters, digits, '_' and '-', at most 100 characters.",
+        examples=["llama-sft"],
+    )
+    compute: ComputeConfig = Field(description="Accelerators and cluster.")
+    environment: EnvironmentConfig = Field(
+        default_factory=EnvironmentConfig, description="Extra Python packages for the run."
+    )
+    code_source: CodeSourceConfig | None = Field(
+        default=None,
+        description="Code snapshotted into the run; absent: the command runs in an empty folder.",
+    )
+    command: str = Field(
+        description=(
+            "bash script run once per node, inside the code snapshot, with CODE_SOURCE_PATH, "
+            "NUM_NODES, NODE_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, "
+            "MLFLOW_RUN_ID, HYPERPARAMETERS_PATH and GPUFLEET_CHECKPOINT_DIR set."
+        ),
+        examples=["torchrun --nproc_per_node=$LOCAL_WORLD_SIZE train.py"],
+    )
+    env_variables: dict[str, _EnvValue] = Field(
+        default_factory=dict,
+        description="Extra environment variables of every node (names [A-Za-z_][A-Za-z0-9_]*).",
+        examples=[{"HF_HOME": "/tmp/hf"}],
+    )
+    parameters: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Hyperparameters, written as YAML to the file at $HYPERPARAMETERS_PATH.",
+        examples=[{"lr": 2.0e-5, "max_steps": 100}],
+    )
+    max_retries: int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description=(
+            "Extra attempts after a failed or timed-out attempt; each attempt is a new MLflow "
+            "run and sees the same GPUFLEET_CHECKPOINT_DIR, so it can resume."
+        ),
+        examples=[1],
+    )
+    timeout_minutes: float | None = Field(
+        default=None,
+        gt=0,
+        le=525600,
+        description="Time limit of each attempt in minutes (TIMEDOUT when exceeded); absent: none.",
+        examples=[120],
+    )
+
+    @field_validator("experiment_name")
+    @classmethod
+    def _check_experiment(cls, v: str) -> str:
+        if not _EXPERIMENT_RE.match(v):
+            raise ValueError(
+                f"{v!r} is not allowed; use 1 to 100 letters, digits, '_' or '-'"
+            )
+        return v
+
+    @field_validator("command")
+    @classmethod
+    def _check_command(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must be a non-empty bash script")
+        if "\x00" in v:
+            raise ValueError("must not contain NUL characters")
+        return v
+
+    @field_validator("env_variables")
+    @classmethod
+    def _check_env(cls, v: dict[str, _EnvValue]) -> dict[str, _EnvValue]:
+        bad = [k for k in v if not _ENV_NAME_RE.match(k)]
+        if bad:
+            raise ValueError(
+                f"invalid variable name(s) {', '.join(map(repr, bad))}; use [A-Za-z_][A-Za-z0-9_]*"
+            )
+        reserved = [k for k in v if k in RESERVED_ENV]
+        if reserved:
+            raise ValueError(
+                f"{', '.join(reserved)} {'is' if len(reserved) == 1 else 'are'} set by gpufleet "
+                "for every node and cannot be overridden"
+            )
+        nul = [k for k, val in v.items() if isinstance(val, str) and "\x00" in val]
+        if nul:
+            raise ValueError(f"values must not contain NUL characters: {', '.join(nul)}")
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _check_params(cls, v: dict[str, Any]) -> dict[str, Any]:
+        try:
+            yaml.safe_dump(v)
+        except yaml.YAMLError as e:
+            raise ValueError(f"must be plain YAML data (numbers, strings, lists, maps): {e}") from None
+        return v
+
+    def env_strings(self) -> dict[str, str]:
+        """``env_variables`` as strings (``true``/``false`` for booleans)."""
+        out = {}
+        for k, v in self.env_variables.items():
+            out[k] = ("true" if v else "false") if isinstance(v, bool) else str(v)
+        return out
+
+
+def submodel(annotation: Any) -> type[BaseModel] | None:
+    """The model class of a field annotation (``X`` or ``X | None``), or None for plain values."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
