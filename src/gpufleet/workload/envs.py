@@ -2,7 +2,7 @@
 
 Standard library only: a node of a multi-node workload runs this file by path
 (``python envs.py``) to build the run's environment on that node when it does not see the
-submitting machine's (``node_main``).
+submitting machine's (``node_main``). Imported as a module, its errors are gpufleet errors.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import site
 import subprocess
 import sys
@@ -22,12 +21,22 @@ import threading
 from pathlib import Path
 from typing import IO
 
+if __package__:
+    from ..errors import GpufleetError
+    from .procgroup import terminate_group
+else:  # run by path on a node: the standard library and the helper beside this file only
+    from procgroup import terminate_group  # type: ignore[no-redef]
+
+    class GpufleetError(Exception):  # type: ignore[no-redef]
+        """Stands in for :class:`gpufleet.errors.GpufleetError` when this file runs by path."""
+
+
 logger = logging.getLogger(__name__)
 
 _READY = ".gpufleet-ready"
 
 
-class EnvironmentSetupError(RuntimeError):
+class EnvironmentSetupError(GpufleetError, RuntimeError):
     """Installing a run's dependencies failed."""
 
 
@@ -101,13 +110,6 @@ def _venv_purelib(target: Path) -> Path:
     return path
 
 
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _run(cmd: list[str], log: IO[str], cancel: threading.Event | None = None) -> None:
     log.write("$ " + " ".join(cmd) + "\n")
     log.flush()
@@ -120,12 +122,8 @@ def _run(cmd: list[str], log: IO[str], cancel: threading.Event | None = None) ->
             break
         except subprocess.TimeoutExpired:
             if cancel is not None and cancel.is_set():
-                _signal_group(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pass
-                _signal_group(proc.pid, signal.SIGKILL)  # whatever is left of the group
+                # TERM, up to 10 s for pip to exit, then KILL whatever is left of the group
+                terminate_group(proc.pid, 10.0, finished=lambda: proc.poll() is not None)
                 proc.wait()
                 log.write("gpufleet: canceled; stopped pip\n")
                 log.flush()

@@ -5,7 +5,8 @@ session. It waits for the command and exits with its exit code. If the superviso
 (even by SIGKILL) it notices within a fraction of a second, terminates every process of its
 group (the command and whatever it started), and kills those that do not stop.
 
-Kept free of gpufleet imports so it starts in a few milliseconds.
+Kept free of third-party imports so it starts in a few milliseconds; a Ray node runs it by
+file path (``python .../workload/guard.py``), so it imports its one helper either way.
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
+
+if __package__:
+    from .procgroup import terminate_group
+else:  # run by path: this file's folder is the first entry of sys.path
+    from procgroup import terminate_group  # type: ignore[no-redef]
 
 _POLL_S = 0.25
 _GRACE_S = 5.0
@@ -22,13 +27,9 @@ _GRACE_S = 5.0
 
 def _stop_group() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    pgid = os.getpgid(0)
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    time.sleep(_GRACE_S)
-    os.killpg(pgid, signal.SIGKILL)  # the guard goes with its group
+    # The guard is a member of the group it stops, so it cannot see the others leave: they get
+    # the whole grace period, then SIGKILL takes the guard with them.
+    terminate_group(os.getpgid(0), _GRACE_S, finished=lambda: False)
 
 
 def main(argv: list[str] | None = None) -> int:
