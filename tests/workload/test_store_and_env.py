@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from gpufleet.workload.liveness import get_run, list_runs
 from gpufleet.workload.snapshot import list_files
 from gpufleet.workload.store import PENDING, RUNNING, RunRecord, RunStore
 from tests.workload.helpers import (
@@ -30,7 +31,7 @@ def _record(store: RunStore, run_id: str, **fields: object) -> RunRecord:
     return store.create_run(rec)[0]
 
 
-def test_runs_whose_supervisor_is_gone_are_failed_on_read(store: RunStore) -> None:
+def test_runs_whose_supervisor_is_gone_are_failed_when_a_command_reads_them(store: RunStore) -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()
     _record(store, "r-dead", state=RUNNING, supervisor_pid=dead.pid, supervisor_started=time.time() - 5,
@@ -43,14 +44,15 @@ def test_runs_whose_supervisor_is_gone_are_failed_on_read(store: RunStore) -> No
 
         _record(store, "r-stale", state=RUNNING, supervisor_pid=alive.pid,
                 supervisor_started=psutil.Process(alive.pid).create_time(), heartbeat_at=time.time() - 3600)  # fmt: skip
-        assert store.get("r-dead").state == "FAILED"
-        assert "supervisor process" in store.get("r-dead").message
-        assert store.get("r-never").message.endswith("never started; nothing of it is left running")
-        assert store.get("r-young").state == PENDING
-        stale = store.get("r-stale")
+        assert store.get("r-dead").state == RUNNING  # the store's own reads never act
+        assert get_run(store, "r-dead").state == "FAILED"
+        assert "supervisor process" in get_run(store, "r-dead").message
+        assert get_run(store, "r-never").message.endswith("never started; nothing of it is left running")
+        assert get_run(store, "r-young").state == PENDING
+        stale = get_run(store, "r-stale")
         assert stale.state == "FAILED" and "no heartbeat" in stale.message
         assert alive.wait(timeout=10) == -9  # the hung supervisor was killed
-        assert [r.id for r in store.list()] == ["r-young"]
+        assert [r.id for r in list_runs(store)] == ["r-young"]
     finally:
         alive.kill()
         alive.wait()
@@ -62,7 +64,7 @@ def test_pid_reuse_is_not_mistaken_for_a_live_supervisor(store: RunStore) -> Non
     # our own pid, but "started" at another time: another process that reused the pid
     _record(store, "r-reused", state=RUNNING, supervisor_pid=os.getpid(), supervisor_started=1.0,
             heartbeat_at=time.time())  # fmt: skip
-    assert store.get("r-reused").state == "FAILED"
+    assert get_run(store, "r-reused").state == "FAILED"
 
 
 def test_get_accepts_a_unique_prefix_and_names_missing_runs(store: RunStore, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,6 +2,10 @@
 
 Exit codes: 0 success; 1 a failed run or an error; 2 an invalid workload or bad arguments;
 124 a run that timed out; 130 a canceled run (``run --watch`` exits with its run's outcome).
+
+One concern, the workload CLI's surface: arguments, text and JSON output, exit codes. The
+work itself is elsewhere (``submit``, ``liveness``, ``view``, ``schema``); the module is long
+because seven commands each print two formats.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-EXIT_CODES = {"SUCCESS": 0, "FAILED": 1, "TIMEDOUT": 124, "CANCELED": 130}
+from ..states import CANCELED, FAILED, SUCCESS, TIMEDOUT, RunState
+
+EXIT_CODES = {SUCCESS: 0, FAILED: 1, TIMEDOUT: 124, CANCELED: 130}
 EXIT_INVALID = 2
 
 
@@ -219,11 +225,12 @@ def _print_plan(p: dict[str, Any]) -> None:
 
 def cmd_get(args: argparse.Namespace) -> int:
     """``gpufleet get RUN_ID``."""
+    from .liveness import get_run
     from .store import RunNotFoundError
     from .view import run_details
 
     try:
-        run = _store(args).get(args.run_id)
+        run = get_run(_store(args), args.run_id)
     except RunNotFoundError as e:
         return _error(str(e), args)
     if args.output == "json":
@@ -235,6 +242,7 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     """``gpufleet list``."""
+    from .liveness import list_runs
     from .store import ACTIVE_STATES, STATES
     from .view import runs_table
 
@@ -254,7 +262,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     states = None if args.all_status or "state" in filters or "status" in filters else ACTIVE_STATES
     store = _store(args)
     try:
-        runs = store.list(states=states, limit=args.limit or None, filters=filters)
+        runs = list_runs(store, states=states, limit=args.limit or None, filters=filters)
     except ValueError as e:
         return _error(str(e), args, EXIT_INVALID)
     if args.output == "json":
@@ -276,12 +284,13 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_logs(args: argparse.Namespace) -> int:
     """``gpufleet logs RUN_ID``."""
+    from .liveness import get_run
     from .store import RunNotFoundError
     from .view import tail_lines
 
     store = _store(args)
     try:
-        run = store.get(args.run_id)
+        run = get_run(store, args.run_id)
     except RunNotFoundError as e:
         return _error(str(e), args)
     if args.node is not None and not 0 <= args.node < run.command_nodes:
@@ -346,18 +355,19 @@ def _follow(store: Any, run: Any, args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """``gpufleet cancel RUN_ID... | --all``."""
-    from .store import ACTIVE_STATES, RunNotFoundError, kill_run_processes, pid_alive
+    from .liveness import get_run, kill_run_processes, list_runs, pid_alive
+    from .store import ACTIVE_STATES, PENDING, RunNotFoundError
 
     if bool(args.run_ids) == bool(args.all):
         return _error("give run ids or --all (not both)", args, EXIT_INVALID)
     store = _store(args)
     if args.all:
-        runs = store.list(states=ACTIVE_STATES, limit=None)
+        runs = list_runs(store, states=ACTIVE_STATES, limit=None)
     else:
         runs = []
         for rid in args.run_ids:
             try:
-                runs.append(store.get(rid))
+                runs.append(get_run(store, rid))
             except RunNotFoundError as e:
                 return _error(str(e), args)
     results: dict[str, dict[str, Any]] = {}
@@ -376,21 +386,21 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + (0 if args.no_wait else args.wait_timeout)
     while waiting:
         for rid in list(waiting):
-            r = store.get(rid)
+            r = get_run(store, rid)
             if not r.is_active:
                 waiting.remove(rid)
-                results[rid] = {"id": rid, "state": r.state, "canceled": r.state == "CANCELED"}
+                results[rid] = {"id": rid, "state": r.state, "canceled": r.state == CANCELED}
         if not waiting or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
     for rid in waiting:
-        r = store.get(rid)
-        if r.state == "PENDING" and args.no_wait is False:
+        r = get_run(store, rid)
+        if r.state == PENDING and args.no_wait is False:
             # never picked up by a supervisor: cancel it here
-            store.finish_run(rid, "CANCELED", message="canceled by the user before it started")
+            store.finish_run(rid, CANCELED, message="canceled by the user before it started")
             kill_run_processes(rid)
             r = store.get(rid)
-        results[rid] = {"id": rid, "state": r.state, "canceled": r.state == "CANCELED",
+        results[rid] = {"id": rid, "state": r.state, "canceled": r.state == CANCELED,
                         **({"note": "cancel requested; still stopping"} if r.is_active else {})}  # fmt: skip
     ordered = [results[r.id] for r in runs]
     if args.output == "json":
@@ -400,7 +410,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
             print("no pending or running runs")
         for r in ordered:
             print(f"{r['id']}\t{r['state']}" + (f"\t({r['note']})" if r.get("note") else ""))
-    return 0 if all(r["state"] not in ("PENDING", "RUNNING") for r in ordered) or args.no_wait else 1
+    return 0 if all(RunState(r["state"]).terminal for r in ordered) or args.no_wait else 1
 
 
 # ------------------------------------------------------------------ validate / schema

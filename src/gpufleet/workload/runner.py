@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from ..errors import GpufleetError
 from ..launch.ports import find_free_port
+from .liveness import process_start_time
 from .schema import WorkloadConfig
 from .store import (
     CANCELED,
@@ -43,7 +45,6 @@ from .store import (
     TIMEDOUT,
     AttemptRecord,
     RunStore,
-    process_start_time,
 )
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ RAY_EXECUTOR_MODULE = "gpufleet.workload.ray_executor"
 _DROPPED_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "MLFLOW_RUN_ID", "GPUFLEET_PARENT_PID")
 
 
-class ExecutorUnavailableError(RuntimeError):
+class ExecutorUnavailableError(GpufleetError, RuntimeError):
     """The workload needs an executor (multi-node / Ray) that this installation lacks."""
 
 
@@ -277,7 +278,7 @@ class Supervisor:
 
     def __init__(self, run_id: str, home: str | None) -> None:
         self.store = RunStore(home)
-        self.run = self.store.get(run_id, check=False)
+        self.run = self.store.get(run_id)
         self.config = WorkloadConfig.model_validate(self.run.config)
         self.run_dir = Path(self.run.run_dir)
         self.cancel_event = threading.Event()

@@ -5,25 +5,23 @@ processes and background supervisors read and write it at once. Every write is a
 ``BEGIN IMMEDIATE`` transaction; a state only leaves PENDING/RUNNING once (the first
 terminal state written wins).
 
-A run whose supervisor died is never left RUNNING: every read checks the supervisor's pid
-(and its start time, against pid reuse) and heartbeat, marks such a run FAILED, and stops
-whatever the run left running.
+Reads only read. A run whose supervisor died is found, marked FAILED and stopped by
+:mod:`gpufleet.workload.liveness`, which the CLI commands read runs through.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
-import signal
 import sqlite3
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ..errors import GpufleetError
 from ..results import gpufleet_home
 from ..states import (  # noqa: F401 - re-exported for the workload modules
     ACTIVE_STATES,
@@ -35,16 +33,14 @@ from ..states import (  # noqa: F401 - re-exported for the workload modules
     SUCCESS,
     TERMINAL_STATES,
     TIMEDOUT,
+    RunState,
 )
+from .records import AttemptRecord, RunRecord
 
-logger = logging.getLogger(__name__)
+__all__ = ["AttemptRecord", "HEARTBEAT_S", "RunNotFoundError", "RunRecord", "RunStore"]
 
-
-#: Seconds between supervisor heartbeats, and the age after which a heartbeat is stale.
+#: Seconds between supervisor heartbeats.
 HEARTBEAT_S = 2.0
-STALE_HEARTBEAT_S = 90.0
-#: Seconds a PENDING run may wait for its supervisor to register.
-START_GRACE_S = 120.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -87,84 +83,8 @@ CREATE TABLE IF NOT EXISTS attempts (
 """
 
 
-class RunNotFoundError(LookupError):
+class RunNotFoundError(GpufleetError, LookupError):
     """No run has this id (or the prefix is ambiguous)."""
-
-
-@dataclass
-class AttemptRecord:
-    """One attempt of a run: its state, MLflow run and per-node processes and logs."""
-
-    run_id: str
-    attempt: int
-    state: str
-    started_at: float
-    log_dir: str
-    ended_at: float | None = None
-    exit_code: int | None = None
-    mlflow_run_id: str | None = None
-    nodes: list[dict[str, Any]] = field(default_factory=list)
-    message: str | None = None
-
-    def log_paths(self) -> list[str]:
-        """Per-node log files of this attempt, in node-rank order."""
-        return [n["log_path"] for n in sorted(self.nodes, key=lambda n: n["node_rank"])]
-
-
-@dataclass
-class RunRecord:
-    """One workload run as stored."""
-
-    id: str
-    experiment: str
-    state: str
-    created_at: float
-    config: dict[str, Any]
-    run_dir: str
-    num_nodes: int
-    world_size: int
-    max_attempts: int
-    tracking: bool = True
-    started_at: float | None = None
-    ended_at: float | None = None
-    idempotency_key: str | None = None
-    workload_path: str | None = None
-    supervisor_pid: int | None = None
-    supervisor_started: float | None = None
-    heartbeat_at: float | None = None
-    cancel_requested: bool = False
-    exit_code: int | None = None
-    message: str | None = None
-    attempts: list[AttemptRecord] = field(default_factory=list)
-
-    @property
-    def command_nodes(self) -> int:
-        """Nodes whose command runs and writes ``node-N.log``: every node, or node 0 for a Ray driver."""
-        return 1 if (self.config.get("compute") or {}).get("ray_driver") else self.num_nodes
-
-    @property
-    def is_active(self) -> bool:
-        """Whether the run is still PENDING or RUNNING."""
-        return self.state in ACTIVE_STATES
-
-    @property
-    def duration_s(self) -> float | None:
-        """Seconds from start to end (or to now while running)."""
-        if self.started_at is None:
-            return None
-        return (self.ended_at or time.time()) - self.started_at
-
-    def mlflow_run_ids(self) -> list[str]:
-        """MLflow run ids of the attempts, oldest first."""
-        return [a.mlflow_run_id for a in self.attempts if a.mlflow_run_id]
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready description (what ``-o json`` prints)."""
-        d = asdict(self)
-        d["duration_s"] = self.duration_s
-        d["mlflow_run_ids"] = self.mlflow_run_ids()
-        d["log_paths"] = self.attempts[-1].log_paths() if self.attempts else []
-        return d
 
 
 _RUN_COLUMNS = [
@@ -177,6 +97,7 @@ _RUN_COLUMNS = [
 
 def _run_from_row(row: sqlite3.Row) -> RunRecord:
     d = dict(row)
+    d["state"] = RunState(d["state"])
     d["config"] = json.loads(d["config"])
     d["tracking"] = bool(d["tracking"])
     d["cancel_requested"] = bool(d["cancel_requested"])
@@ -185,6 +106,7 @@ def _run_from_row(row: sqlite3.Row) -> RunRecord:
 
 def _attempt_from_row(row: sqlite3.Row) -> AttemptRecord:
     d = dict(row)
+    d["state"] = RunState(d["state"])
     d["nodes"] = json.loads(d["nodes"] or "[]")
     return AttemptRecord(**d)
 
@@ -259,7 +181,7 @@ class RunStore:
                 created = True
         if existing_id is not None:
             return self.get(existing_id), False
-        return self.get(record.id, check=False), created
+        return self.get(record.id), created
 
     def _load(self, db: sqlite3.Connection, run_id: str) -> RunRecord:
         row = db.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
@@ -283,11 +205,10 @@ class RunStore:
         ]
         return run
 
-    def get(self, run_id: str, check: bool = True) -> RunRecord:
-        """The run with this id (or unique id prefix/suffix); a dead supervisor is detected here."""
+    def get(self, run_id: str) -> RunRecord:
+        """The run with this id (or a unique id prefix or suffix), as stored."""
         with self._tx() as db:
-            run = self._load(db, run_id)
-        return self.check_supervisor(run) if check else run
+            return self._load(db, run_id)
 
     def list(
         self,
@@ -295,7 +216,7 @@ class RunStore:
         limit: int | None = 20,
         filters: dict[str, str] | None = None,
     ) -> list[RunRecord]:
-        """Runs, newest first, in ``states`` (None: all) matching ``filters`` (column=value)."""
+        """Runs as stored, newest first, in ``states`` (None: all) matching ``filters`` (column=value)."""
         where, args = [], []
         if states:
             where.append(f"state IN ({', '.join('?' for _ in states)})")
@@ -323,11 +244,7 @@ class RunStore:
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
         with self._tx() as db:
-            runs = [self._load(db, r["id"]) for r in db.execute(sql, args).fetchall()]
-        runs = [self.check_supervisor(r) for r in runs]
-        if states:  # a run just found dead is no longer in an active state
-            runs = [r for r in runs if r.state in states]
-        return runs
+            return [self._load(db, r["id"]) for r in db.execute(sql, args).fetchall()]
 
     def count(self) -> dict[str, int]:
         """Number of runs in each state."""
@@ -345,7 +262,7 @@ class RunStore:
 
     def finish_run(self, run_id: str, state: str, **fields: Any) -> bool:
         """Move an active run to a terminal ``state``; False if it already had one."""
-        assert state in TERMINAL_STATES
+        assert RunState(state).terminal
         fields = {"state": state, "ended_at": time.time(), **fields}
         sets = ", ".join(f"{k} = ?" for k in fields)
         with self._tx(write=True) as db:
@@ -409,34 +326,6 @@ class RunStore:
                 [*fields.values(), run_id, attempt],
             )
 
-    # ------------------------------------------------------------ liveness
-
-    def check_supervisor(self, run: RunRecord) -> RunRecord:
-        """Mark an active run whose supervisor is gone FAILED and stop what it left running."""
-        if not run.is_active:
-            return run
-        now = time.time()
-        reason = None
-        if run.supervisor_pid is None:
-            if run.state == PENDING and now - run.created_at > START_GRACE_S:
-                reason = "its supervisor process never started"
-        elif not pid_alive(run.supervisor_pid, run.supervisor_started):
-            reason = f"its supervisor process (pid {run.supervisor_pid}) died"
-        elif run.heartbeat_at is not None and now - run.heartbeat_at > STALE_HEARTBEAT_S:
-            reason = (
-                f"its supervisor process (pid {run.supervisor_pid}) stopped responding "
-                f"(no heartbeat for {now - run.heartbeat_at:.0f} s) and was killed"
-            )
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(run.supervisor_pid, signal.SIGKILL)
-        if reason is None:
-            return run
-        message = f"run failed: {reason}; nothing of it is left running"
-        if self.finish_run(run.id, FAILED, message=message):
-            logger.warning("run %s: %s", run.id, reason)
-        kill_run_processes(run.id)
-        return self.get(run.id, check=False)
-
 
 _FILTERABLE = {
     "state": "state",
@@ -451,57 +340,3 @@ _FILTERABLE = {
 
 def _like_prefix(text: str) -> str:
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-
-
-def pid_alive(pid: int, started: float | None = None) -> bool:
-    """Whether ``pid`` runs (not a zombie) and, when ``started`` is given, is that same process."""
-    import psutil
-
-    try:
-        p = psutil.Process(pid)
-        if p.status() == psutil.STATUS_ZOMBIE:
-            return False
-        if started is not None and abs(p.create_time() - started) > 1.0:
-            return False  # the pid was reused by another process
-        return True
-    except psutil.Error:
-        return False
-
-
-def process_start_time(pid: int) -> float:
-    """Creation time of ``pid`` as psutil reports it (used to detect pid reuse)."""
-    import psutil
-
-    return psutil.Process(pid).create_time()
-
-
-def kill_run_processes(run_id: str, grace_period_s: float = 3.0) -> int:
-    """Stop every process that carries ``GPUFLEET_RUN_ID=run_id``; returns how many there were."""
-    import psutil
-
-    me = os.getpid()
-
-    def find() -> list[psutil.Process]:
-        found = []
-        for p in psutil.process_iter():
-            if p.pid == me:
-                continue
-            try:
-                if p.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                if p.environ().get("GPUFLEET_RUN_ID") == run_id:
-                    found.append(p)
-            except (psutil.Error, OSError):
-                continue
-        return found
-
-    procs = find()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(sig)
-        _, alive = psutil.wait_procs(procs, timeout=grace_period_s if sig == signal.SIGTERM else 5.0)
-        if not alive:
-            break
-        procs = alive
-    return len(procs)

@@ -10,9 +10,10 @@ from typing import Any
 import yaml
 
 from ..results import new_run_id
+from .liveness import list_runs, process_start_time
 from .schema import Problem, WorkloadConfig, WorkloadValidationError, load_workload
 from .snapshot import check_code_source, list_files, snapshot
-from .store import FAILED, PENDING, RunRecord, RunStore, process_start_time
+from .store import FAILED, PENDING, RunRecord, RunStore
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def submit(
     config, root = load_and_check(p, overrides)
     store = RunStore(home)
     if idempotency_key is not None:
-        existing = store.list(states=None, limit=1, filters={"idempotency_key": idempotency_key})
+        existing = list_runs(store, states=None, limit=1, filters={"idempotency_key": idempotency_key})
         if existing:
             return existing[0], False
     check_executor_available(config)
@@ -173,7 +174,7 @@ def submit(
     except Exception:  # it already exited: the liveness check will see that
         started = None
     store.update_run(run_id, supervisor_pid=proc.pid, supervisor_started=started)
-    return store.get(run_id, check=False), True
+    return store.get(run_id), True
 
 
 def _now() -> float:

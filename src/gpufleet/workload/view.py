@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
+from .liveness import get_run
 from .store import TERMINAL_STATES, RunRecord, RunStore
 
 _STATE_STYLE = {
@@ -140,7 +141,7 @@ def watch(
     """Stream a run's logs with its status until it ends; returns the final record."""
     out = out or sys.stdout
     status_out = status_out or sys.stderr
-    run = store.get(run_id)
+    run = get_run(store, run_id)
     follower = LogFollower(run, node=node)
     if is_terminal(status_out) and status_out is sys.stderr and out is sys.stdout and is_terminal(out):
         return _watch_rich(store, run, follower, poll_s)
@@ -164,7 +165,7 @@ def watch(
         if done:
             return run
         time.sleep(poll_s)
-        run = store.get(run.id)
+        run = get_run(store, run.id)
 
 
 def _watch_rich(store: RunStore, run: RunRecord, follower: LogFollower, poll_s: float) -> RunRecord:
@@ -196,7 +197,7 @@ def _watch_rich(store: RunStore, run: RunRecord, follower: LogFollower, poll_s: 
             if done:
                 return run
             time.sleep(poll_s)
-            run = store.get(run.id)
+            run = get_run(store, run.id)
 
 
 def follow_logs(
@@ -208,7 +209,7 @@ def follow_logs(
     poll_s: float = 0.25,
 ) -> RunRecord:
     """Call ``write(prefix, line)`` for each new log line until the run ends."""
-    run = store.get(run_id)
+    run = get_run(store, run_id)
     follower = LogFollower(run, node=node, attempt=attempt)
     while True:
         done = run.state in TERMINAL_STATES
@@ -217,7 +218,7 @@ def follow_logs(
         if done:
             return run
         time.sleep(poll_s)
-        run = store.get(run.id)
+        run = get_run(store, run.id)
 
 
 # ------------------------------------------------------------------ tables
