@@ -148,7 +148,7 @@ def _error(msg: str, args: argparse.Namespace, code: int = 1) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """``gpufleet run -f``: dry run, or submit (and optionally watch) a workload."""
     from ..errors import GpufleetError
-    from .runner import ExecutorUnavailableError
+    from .nodes import ExecutorUnavailableError
     from .schema import WorkloadValidationError
     from .snapshot import SnapshotError
     from .submit import plan, submit

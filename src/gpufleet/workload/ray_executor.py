@@ -28,8 +28,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import LaunchConfigError
+from ..launch.group import GroupStartCanceled
 from .envs import DEPENDENCIES_ENV
-from .runner import GRACE_PERIOD_S, AttemptCanceled, NodeExecutor, NodeProcess, NodeSpec
+from .nodes import GRACE_PERIOD_S, NodeExecutor, NodeProcess, NodeSpec
 from .schema import WorkloadConfig
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ _NODE_OWN = ("HOME", "USER", "LOGNAME", "SHELL", "TMPDIR", "HOSTNAME", "PWD", "O
 
 def create_executor(config: WorkloadConfig) -> RayExecutor:
     """The executor of a workload that spans nodes or names ``compute.cluster``."""
-    from ..launch.ray import import_ray
+    from ..launch.ray_connect import import_ray
 
     import_ray()  # fail at submit time when Ray is missing
     address = config.compute.cluster or os.environ.get("RAY_ADDRESS")
@@ -161,13 +162,13 @@ class RayExecutor(NodeExecutor):
     def _wait(self, ready: Callable[[], bool], what: str, failure: Callable[[int], str]) -> None:
         """Wait until ``ready()`` (which blocks about a second when not) for up to 10 minutes.
 
-        A cancel raises :class:`AttemptCanceled`; the time limit raises ``LaunchConfigError``
+        A cancel raises :class:`~gpufleet.launch.group.GroupStartCanceled`; the time limit raises ``LaunchConfigError``
         with ``failure(nodes alive)``.
         """
         deadline = time.monotonic() + _SCHEDULE_TIMEOUT_S
         while not ready():
             if self.canceled():
-                raise AttemptCanceled(f"while waiting for {what} on the Ray cluster")
+                raise GroupStartCanceled(f"while waiting for {what} on the Ray cluster")
             if time.monotonic() > deadline:
                 raise LaunchConfigError(failure(sum(1 for n in self._ray.nodes() if n["Alive"])))
 
@@ -192,8 +193,8 @@ class RayExecutor(NodeExecutor):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from ..launch.ray import connect
         from ..launch.ray_actor import SHIPPED_CODE_ENV, NodeCommand
+        from ..launch.ray_connect import connect
 
         self._release()
         job_env = None

@@ -44,7 +44,7 @@ def load_and_check(path: str | Path, overrides: list[str] | None = None) -> tupl
 
 def local_gpu_problem(config: WorkloadConfig) -> str | None:
     """Why this machine cannot run a single-node GPU workload, or None when it can."""
-    from .runner import needs_cluster
+    from .nodes import needs_cluster
 
     gpu_type = config.compute.gpu_type
     if gpu_type is None or needs_cluster(config):
@@ -62,7 +62,7 @@ def local_gpu_problem(config: WorkloadConfig) -> str | None:
 def plan(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
     """What ``run`` would do, resolved without starting anything or needing GPUs."""
     from .envs import env_hash
-    from .runner import RAY_EXECUTOR_MODULE, needs_cluster
+    from .nodes import RAY_EXECUTOR_MODULE, needs_cluster
 
     config, root = load_and_check(path, overrides)
     c = config.compute
@@ -115,7 +115,8 @@ def submit(
     existing run, which is returned unchanged.
     """
     from ..errors import GPUUnavailableError
-    from .runner import check_executor_available, start_supervisor
+    from .nodes import check_executor_available
+    from .runner import start_supervisor
 
     p = Path(path)
     config, root = load_and_check(p, overrides)

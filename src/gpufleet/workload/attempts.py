@@ -1,0 +1,160 @@
+"""What the supervisor does around each attempt: the run store's records and the MLflow run.
+
+Both are :class:`~gpufleet.launch.controller.ControllerCallback` hooks, so the controller that
+runs the attempts stays free of workload concerns. :func:`attempt_end` turns the controller's
+view of an attempt (its end state and error) into what the run store shows: the state, the
+exit code and a message such as ``node 1 exited with code 3; see `gpufleet logs RUN --node 1```.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from ..errors import EXIT, SIGNAL, WorkerGroupError
+from ..launch.controller import ControllerCallback
+from ..launch.group import GroupStartCanceled, WorkerGroup
+from ..states import CANCELED, FAILED, RUNNING, SUCCESS, TIMEDOUT, RunState
+from .nodes import WorkloadNodeGroup
+from .schema import WorkloadConfig
+from .store import AttemptRecord, RunRecord, RunStore
+
+
+@dataclass(frozen=True)
+class AttemptEnd:
+    """How an attempt ended, as the run store records it."""
+
+    state: RunState
+    exit_code: int | None = None
+    message: str | None = None
+
+
+def attempt_end(
+    group: WorkerGroup,
+    state: RunState,
+    error: BaseException | None,
+    timeout_minutes: float | None,
+    cancel_reason: str,
+) -> AttemptEnd:
+    """The stored outcome of an attempt that the controller ended in ``state`` with ``error``."""
+    start_canceled = getattr(group, "start_canceled", None)
+    if isinstance(error, GroupStartCanceled) or start_canceled:
+        return AttemptEnd(CANCELED, None, f"{cancel_reason} ({start_canceled or error})")
+    if state == SUCCESS:
+        return AttemptEnd(SUCCESS, 0)
+    if state == CANCELED:
+        return AttemptEnd(CANCELED, None, cancel_reason)
+    if state == TIMEDOUT:
+        return AttemptEnd(
+            TIMEDOUT, None, f"the attempt ran longer than timeout_minutes={timeout_minutes or 0:g} and was stopped"
+        )
+    root = error.root_cause if isinstance(error, WorkerGroupError) else None
+    if root is not None and root.kind in (EXIT, SIGNAL) and root.exit_code is not None:
+        rank, code = root.rank, root.exit_code
+        return AttemptEnd(FAILED, code, f"node {rank} exited with code {code}; see `gpufleet logs {group.run_id} --node {rank}`")
+    cause = error.__cause__ if isinstance(error, WorkerGroupError) and error.__cause__ is not None else error
+    return AttemptEnd(FAILED, None, f"run failed: {cause}")
+
+
+class AttemptRecorder(ControllerCallback):
+    """Records each attempt in the run store: started (RUNNING), its nodes, how it ended.
+
+    Attributes:
+        ends: how each attempt that ended did, by attempt number.
+    """
+
+    def __init__(
+        self, store: RunStore, run: RunRecord, timeout_minutes: float | None,
+        cancel_reason: Callable[[], str], log: IO[str],
+    ) -> None:  # fmt: skip
+        self.store = store
+        self.run = run
+        self.timeout_minutes = timeout_minutes
+        self.cancel_reason = cancel_reason
+        self.log = log
+        self.ends: dict[int, AttemptEnd] = {}
+
+    def before_start(self, group: WorkerGroup, attempt: int) -> None:
+        previous = self.ends.get(attempt - 1)
+        if previous is not None:
+            self.log.write(
+                f"gpufleet: attempt {attempt - 1} ended {previous.state}; retrying ({attempt}/{self.run.max_attempts})\n"
+            )
+            self.log.flush()
+        record = AttemptRecord(
+            run_id=self.run.id, attempt=attempt, state=RUNNING, started_at=time.time(), log_dir=str(group.run_dir.path)
+        )
+        self.store.start_attempt(record)
+
+    def after_start(self, group: WorkerGroup, attempt: int) -> None:
+        if isinstance(group, WorkloadNodeGroup):
+            self.store.update_attempt(self.run.id, attempt, nodes=group.describe_nodes())
+
+    def on_end(self, group: WorkerGroup, attempt: int, state: RunState, error: BaseException | None) -> None:
+        end = attempt_end(group, state, error, self.timeout_minutes, self.cancel_reason())
+        self.ends[attempt] = end
+        self.store.update_attempt(
+            self.run.id, attempt, state=end.state, ended_at=time.time(), exit_code=end.exit_code, message=end.message
+        )
+
+
+class WorkloadTracking(ControllerCallback):
+    """One MLflow run per attempt: parameters, the workload as an artifact, node logs, the status.
+
+    The run's id and tracking variables reach every node's environment (``MLFLOW_RUN_ID``,
+    ...); tracking trouble never changes the run's outcome.
+    """
+
+    def __init__(self, config: WorkloadConfig, store: RunStore, run: RunRecord, log: IO[str],
+                 system_metrics: bool, cancel_reason: Callable[[], str]) -> None:  # fmt: skip
+        self.config = config
+        self.store = store
+        self.run = run
+        self.log = log
+        self.system_metrics = system_metrics
+        self.cancel_reason = cancel_reason
+        self._tracked: dict[int, Any] = {}
+
+    def before_start(self, group: WorkerGroup, attempt: int) -> None:
+        try:
+            from ..tracking import start_tracked_run
+        except ImportError as e:
+            self.log.write(f"gpufleet: tracking is not available ({e}); this attempt is not tracked\n")
+            return
+        tracked = start_tracked_run(
+            experiment_name=self.config.experiment_name,
+            run_name=f"{self.run.id}-attempt-{attempt}",
+            params=self.config.parameters,
+            enabled=True,
+            tags={"gpufleet.run_id": self.run.id, "gpufleet.attempt": attempt, "gpufleet.source": "workload"},
+            system_metrics=self.system_metrics,
+        )
+        self._tracked[attempt] = tracked
+        mlflow_run_id = getattr(tracked, "run_id", None)
+        if not mlflow_run_id:
+            return
+        group.mlflow_run_id = mlflow_run_id
+        self.store.update_attempt(self.run.id, attempt, mlflow_run_id=mlflow_run_id)
+        group.add_env(tracked.env())
+        try:
+            tracked.log_config(self.run.config, artifact_file="workload.yaml")
+        except Exception as e:  # tracking trouble never stops the run
+            self.log.write(f"gpufleet: could not log the workload config to MLflow: {e}\n")
+
+    def on_end(self, group: WorkerGroup, attempt: int, state: RunState, error: BaseException | None) -> None:
+        tracked = self._tracked.pop(attempt, None)
+        if tracked is None:
+            return
+        end = attempt_end(group, state, error, self.config.timeout_minutes, self.cancel_reason())
+        logs: list[Path] = [group.log_path(rank) for rank in range(group.num_ranks)]
+        try:
+            try:
+                tracked.log_artifacts([str(p) for p in logs if p.exists()])
+                tracked.set_status(end.state)
+            except Exception as e:  # tracking trouble never changes the run's outcome
+                self.log.write(f"gpufleet: could not record the attempt in MLflow: {e}\n")
+        finally:
+            tracked.end()

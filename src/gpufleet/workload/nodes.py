@@ -1,0 +1,314 @@
+"""A workload's node commands: where they run (node executors) and one attempt of them as a worker group.
+
+A :class:`NodeExecutor` knows how to start one node's command somewhere:
+:class:`LocalExecutor` runs it on this machine under the node guard in its own process group.
+The multi-node executor (on a Ray cluster) lives in ``gpufleet.workload.ray_executor`` and
+exposes ``create_executor(config: WorkloadConfig) -> NodeExecutor``; it is used when a workload
+spans several nodes or names ``compute.cluster``.
+
+:class:`WorkloadNodeGroup` is the worker group (:mod:`gpufleet.launch.group`) of one attempt:
+its "ranks" are the nodes that run the command, each ending as a result (exit code 0) or a
+failure (any other exit code); the controller decides the rest.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import GpufleetError, RankFailure
+from ..launch import failures
+from ..launch.group import GroupStartCanceled, GroupStatus, WorkerGroup
+from ..launch.ports import find_free_port
+from ..launch.proctree import RUN_ID_ENV, popen_in_own_group, stop_tree
+from ..launch.spec import LaunchSpec, Rendezvous, default_threads
+from ..results import OK, RunDir
+from .schema import WorkloadConfig
+
+GRACE_PERIOD_S = 5.0
+#: Grace of the stop that follows an attempt (whatever its commands left running).
+CLEANUP_GRACE_S = 1.0
+RAY_EXECUTOR_MODULE = "gpufleet.workload.ray_executor"
+
+
+class ExecutorUnavailableError(GpufleetError, RuntimeError):
+    """The workload needs an executor (multi-node / Ray) that this installation lacks."""
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """What one node runs: the bash command, its environment, folder and log file."""
+
+    node_rank: int
+    command: str
+    env: dict[str, str]
+    cwd: str
+    log_path: str
+
+
+class NodeProcess(abc.ABC):
+    """Handle of one node's running command."""
+
+    node_rank: int
+
+    @abc.abstractmethod
+    def poll(self) -> int | None:
+        """The command's exit code, or None while it runs."""
+
+    @abc.abstractmethod
+    def cancel(self, grace_period_s: float = GRACE_PERIOD_S) -> None:
+        """Stop the command and everything it started (TERM, grace period, KILL)."""
+
+    @abc.abstractmethod
+    def cleanup(self) -> None:
+        """Once the attempt is over: stop whatever the command left running, release the node."""
+
+    @abc.abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """What the run store records about the node (``node_rank``, ``log_path``, pids, host)."""
+
+
+class NodeExecutor(abc.ABC):
+    """Starts the per-node commands of one attempt.
+
+    ``cancel_event`` (the attempt's worker group sets it to its ``abort`` event) is checked by
+    waits that can last long, such as waiting for a cluster to have room; they raise
+    :class:`~gpufleet.launch.group.GroupStartCanceled` once it is set.
+    """
+
+    cancel_event: threading.Event | None = None
+
+    def canceled(self) -> bool:
+        """Whether the run was canceled (a long wait should give up)."""
+        return self.cancel_event is not None and self.cancel_event.is_set()
+
+    @abc.abstractmethod
+    def rendezvous(self, num_nodes: int, code_dir: str | None = None) -> tuple[str, int]:
+        """``(MASTER_ADDR, MASTER_PORT)`` for an attempt: node 0's address and a free port.
+
+        ``code_dir`` is the run's code snapshot, for executors that bring it to other machines.
+        """
+
+    @abc.abstractmethod
+    def start(self, node: NodeSpec) -> NodeProcess:
+        """Start one node's command."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the executor holds (connections, placement groups)."""
+
+
+class LocalNodeProcess(NodeProcess):
+    """A node command on this machine, led by ``gpufleet.workload.guard`` in its own group.
+
+    Stopping it reaches the guard's process group, its descendants and every process that
+    carries the run's id (a child that called ``setsid`` left both the group and, once its
+    parent exited, the tree).
+    """
+
+    def __init__(self, spec: NodeSpec) -> None:
+        self.node_rank = spec.node_rank
+        self.spec = spec
+        self.run_id = spec.env.get(RUN_ID_ENV)
+        log = open(spec.log_path, "ab", buffering=0)  # noqa: SIM115 - the child holds it
+        try:
+            self.popen = popen_in_own_group(
+                [sys.executable, "-m", "gpufleet.workload.guard", "--", "bash", "-c", spec.command],
+                spec.env, spec.cwd, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        finally:
+            log.close()
+        self.pgid = self.popen.pid
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def cancel(self, grace_period_s: float = GRACE_PERIOD_S) -> None:
+        stop_tree([self.popen], grace_period_s, run_id=self.run_id)
+
+    def cleanup(self) -> None:
+        stop_tree([self.popen], CLEANUP_GRACE_S, run_id=self.run_id)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "node_rank": self.node_rank,
+            "host": "localhost",
+            "pid": self.popen.pid,
+            "pgid": self.pgid,
+            "log_path": self.spec.log_path,
+        }
+
+
+class LocalExecutor(NodeExecutor):
+    """Runs the (single) node of a workload on this machine."""
+
+    def rendezvous(self, num_nodes: int, code_dir: str | None = None) -> tuple[str, int]:
+        if num_nodes != 1:
+            raise ExecutorUnavailableError("the local executor runs exactly one node")
+        return "127.0.0.1", find_free_port()
+
+    def start(self, node: NodeSpec) -> NodeProcess:
+        return LocalNodeProcess(node)
+
+
+def needs_cluster(config: WorkloadConfig) -> bool:
+    """Whether the workload must run on a Ray cluster (several nodes or a named cluster)."""
+    return config.compute.cluster is not None or config.compute.num_nodes > 1
+
+
+def create_executor(config: WorkloadConfig) -> NodeExecutor:
+    """The executor for a workload: local for one node here, Ray for a cluster."""
+    if not needs_cluster(config):
+        return LocalExecutor()
+    try:
+        module = importlib.import_module(RAY_EXECUTOR_MODULE)
+    except ModuleNotFoundError as e:
+        if e.name and not e.name.startswith("gpufleet"):
+            raise ExecutorUnavailableError(
+                f"multi-node workloads need Ray ({e}); pip install 'gpufleet[ray]'"
+            ) from e
+        c = config.compute
+        why = (
+            f"names the cluster {c.cluster!r}"
+            if c.cluster
+            else f"needs {c.num_nodes} nodes ({c.num_accelerators} x {c.accelerator_type})"
+        )
+        raise ExecutorUnavailableError(
+            f"this workload {why}, but this installation of gpufleet has no multi-node executor "
+            f"({RAY_EXECUTOR_MODULE} is missing). Run it on one node: remove compute.cluster and "
+            "set compute.num_accelerators to the per-node count of accelerator_type."
+        ) from None
+    return module.create_executor(config)
+
+
+def check_executor_available(config: WorkloadConfig) -> None:
+    """Raise :class:`ExecutorUnavailableError` early when the needed executor is missing."""
+    if needs_cluster(config):
+        create_executor(config).close()
+
+
+# ------------------------------------------------------------------ the worker group
+
+
+class WorkloadNodeGroup(WorkerGroup):
+    """One attempt's node commands, started through a :class:`NodeExecutor`.
+
+    Its ranks are the nodes that run the command (every node, or node 0 alone for a Ray
+    driver). Each node's environment is the inherited one, the launch spec's node contract
+    (:meth:`~gpufleet.launch.spec.LaunchSpec.node_env`, whose ``env`` carries the workload's own
+    variables) and ``OMP_NUM_THREADS`` when nothing set it.
+
+    Attributes:
+        start_canceled: why starting gave up, when the run was canceled during the rendezvous.
+    """
+
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        run_dir: RunDir,
+        executor: NodeExecutor,
+        command: str,
+        cwd: str,
+        num_command_nodes: int,
+        local_world_size: int,
+        inherited_env: Mapping[str, str],
+    ) -> None:
+        super().__init__(spec, run_dir)
+        self.executor = executor
+        self.command = command
+        self.cwd = cwd
+        self.local_world_size = local_world_size
+        self._num_command_nodes = num_command_nodes
+        self._inherited_env = dict(inherited_env)
+        self.nodes: list[NodeProcess] = []
+        self.rendezvous: Rendezvous | None = None
+        self.start_canceled: str | None = None
+        self._results: dict[int, dict[str, Any]] = {}
+        self._failures: dict[int, RankFailure] = {}
+        self._closed = False
+
+    @property
+    def num_ranks(self) -> int:
+        return self._num_command_nodes
+
+    def log_path(self, rank: int) -> Path:
+        return self.run_dir.path / f"node-{rank}.log"
+
+    def node_env(self, node_rank: int, rendezvous: Rendezvous) -> dict[str, str]:
+        """Everything node ``node_rank``'s command sees."""
+        env = dict(self._inherited_env)
+        env.update(self.spec.node_env(node_rank, self.local_world_size, rendezvous))
+        env.update(default_threads(env, self.local_world_size))  # also keeps torchrun's OMP banner away
+        return env
+
+    def describe_nodes(self) -> list[dict[str, Any]]:
+        """What the run store records about each started node."""
+        return [n.describe() for n in self.nodes]
+
+    def start(self) -> None:
+        self.executor.cancel_event = self.abort
+        try:
+            addr, port = self.executor.rendezvous(self.spec.num_nodes, code_dir=self.cwd)
+        except GroupStartCanceled as e:
+            self.start_canceled = str(e)
+            raise
+        self.rendezvous = Rendezvous(addr, port)
+        for rank in range(self._num_command_nodes):
+            node = NodeSpec(rank, self.command, self.node_env(rank, self.rendezvous), self.cwd, str(self.log_path(rank)))
+            self.nodes.append(self.executor.start(node))
+
+    def _known(self, rank: int) -> bool:
+        return rank in self._results or rank in self._failures
+
+    def _collect(self) -> bool:
+        """Record the nodes that ended since the last look; True if any did."""
+        news = False
+        for node in self.nodes:
+            rank = node.node_rank
+            if self._known(rank):
+                continue
+            code = node.poll()
+            if code is None:
+                continue
+            news = True
+            if code == 0:  # a result without a value (the controller unpickles it)
+                self._results[rank] = {"status": OK, "rank": rank, "time": time.time(),
+                                       "value": pickle.dumps(None), "exit_code": 0}  # fmt: skip
+            else:
+                self._failures[rank] = failures.failure_from_exit(rank, code, self.log_path(rank))
+        return news
+
+    def _status(self) -> GroupStatus:
+        return GroupStatus(self.num_ranks, dict(self._results), dict(self._failures))
+
+    def poll(self, wait_s: float) -> GroupStatus:
+        if not self._collect() and wait_s > 0:
+            self.abort.wait(wait_s)
+        return self._status()
+
+    def stop(self, reason: str, grace_period_s: float, dump_stacks: bool = False) -> GroupStatus:
+        """Stop every node still running; ``dump_stacks`` is ignored (a node's command is bash)."""
+        self._collect()
+        t_stop = time.time()
+        for node in self.nodes:
+            if not self._known(node.node_rank):
+                node.cancel(grace_period_s)
+        for rank in range(self.num_ranks):
+            if not self._known(rank):
+                self._failures[rank] = failures.stopped(rank, reason, t_stop, self.log_path(rank))
+        return self._status()
+
+    def close(self, succeeded: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for node in self.nodes:
+            node.cleanup()
