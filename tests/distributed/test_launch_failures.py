@@ -236,6 +236,21 @@ def test_bad_arguments_and_settings_fail_before_anything_starts():
     assert fn.func(None) == 1  # the plain function stays callable in-process
 
 
+def test_with_overrides_checks_settings_like_the_decorator():
+    fn = distributed(**cpu2)(_takes_lock)
+    for bad, match in (
+        ({"log_ranks": 3}, "log_ranks must be 'all' or a list of rank numbers, got 3"),
+        ({"timeout": float("nan")}, "timeout must be a positive, finite number"),
+        ({"gpus": 0}, "gpus must be a positive integer"),
+        ({"nproc": 2}, "unknown option.*nproc"),
+    ):
+        with pytest.raises(LaunchConfigError, match=match):
+            fn.with_overrides(**bad)
+        with pytest.raises(LaunchConfigError, match=match):
+            distributed(**{**cpu2, **bad})(_takes_lock)
+    assert fn.with_overrides(log_ranks=[0, 1]).options.log_ranks == (0, 1)
+
+
 def test_gpus_on_a_machine_without_gpus_is_a_clear_error(monkeypatch):
     monkeypatch.setattr("gpufleet.launch.gpus.list_gpus", lambda: [])
     with pytest.raises(GPUUnavailableError, match="gpu_type='cpu'"):

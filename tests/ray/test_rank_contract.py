@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,10 +29,8 @@ def _environment() -> dict[str, str | None]:
 
 
 def _rank_one_exits() -> None:
-    import time
-
     if os.environ["RANK"] == "1":
-        sys.exit(3)
+        os._exit(3)  # dies without returning: no outcome, exit code 3
     time.sleep(60)
 
 
@@ -117,3 +115,35 @@ def test_workload_node_group(tmp_path, monkeypatch, capsys):
             assert rc == 1 and run.state == "FAILED"
             # the rank's exit ends its torchrun, and the node's exit code names the failure
             assert "node 0 exited with code" in run.message
+
+
+def _finalised_at_exit(folder: str) -> int:
+    """Leaves an object whose finaliser marks that the interpreter tore its modules down."""
+    import builtins
+
+    class Finalised:
+        def __init__(self, path: str) -> None:
+            self.path, self.touch = path, open
+
+        def __del__(self) -> None:
+            self.touch(self.path, "w").close()
+
+    builtins._gpufleet_test_finalised = Finalised(os.path.join(folder, f"finalised-{os.environ['RANK']}"))
+    return 1
+
+
+@pytest.mark.parametrize("fast_exit", [True, False])
+def test_fast_exit_setting_reaches_ray_ranks(two_nodes, tmp_path, fast_exit):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    f = distributed(
+        _finalised_at_exit, gpus=2, gpu_type="cpu", remote=two_nodes.address, runs_dir=str(tmp_path),
+        tracking=False, fast_exit=fast_exit,
+    )
+    assert f.distributed(str(marks)) == [1, 1]
+    deadline = time.monotonic() + 20
+    while not fast_exit and len(list(marks.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5 if not fast_exit else 3.0)
+    # fast_exit=False: a normal interpreter shutdown finalises module globals; True skips it
+    assert len(list(marks.iterdir())) == (0 if fast_exit else 2)

@@ -134,6 +134,15 @@ class ChildProcess:
             except ProcessLookupError:
                 pass
 
+    def finish(self, wait_s: float, grace_period_s: float) -> dict[str, Any]:
+        """After the child returned its outcome: let it exit by itself (up to ``wait_s``), then stop what is left."""
+        if self._proc is not None:
+            try:
+                self._proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                pass
+        return self.stop(grace_period_s)
+
     def stop(self, grace_period_s: float) -> dict[str, Any]:
         """Stop the worker's process tree (TERM, grace, KILL); returns a last :meth:`poll`."""
         if self._proc is not None:

@@ -12,6 +12,7 @@ failure from the loss of its actor or node.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = ["RayWorkerGroup", "RayPlacement"]
 
 logger = logging.getLogger(__name__)
 
+_reapers: set[threading.Thread] = set()  # not daemons: the interpreter waits for them at exit
 _NODE_DEATH_WAIT_S = 30.0  # how long a dead actor's node may take to be marked dead (Ray health checks)
 
 
@@ -414,11 +416,34 @@ class RayWorkerGroup(WorkerGroup):
             return
         self._closed = True
         if succeeded:
-            self.stop("finished", 0.0)
-        else:
-            self._release()
+            # Every rank returned: the values go back now, and a reaper lets the ranks finish
+            # exiting (atexit handlers, module teardown with fast_exit=False) before it stops
+            # what is left and releases the actors.
+            reaper = threading.Thread(target=self._reap, name=f"gpufleet-reap-{self.run_id}")
+            _reapers.add(reaper)
+            reaper.start()
+            return
+        self._release()
         for log in self._rank_logs:
             log.close()
+
+    def _reap(self, wait_s: float = 10.0) -> None:
+        try:
+            refs = {a.finish.remote(wait_s, 1.0): r for r, a in enumerate(self._actors)}
+            if refs:
+                ready, _ = self._ray.wait(list(refs), num_returns=len(refs), timeout=wait_s + 15.0)
+                for ref in ready:
+                    try:
+                        self._write(refs[ref], self._ray.get(ref))  # the lines printed while exiting
+                    except Exception:  # noqa: BLE001 - an actor that is gone has nothing left to say
+                        pass
+        except Exception as e:  # noqa: BLE001 - the cluster may be gone: release what we can
+            logger.warning("run %s: could not let its ranks finish: %s", self.run_id, e)
+        finally:
+            self._release()
+            for log in self._rank_logs:
+                log.close()
+            _reapers.discard(threading.current_thread())
 
 
 def _with_nodes(spec: LaunchSpec, world_size: int, num_nodes: int, use_gpus: bool) -> LaunchSpec:
