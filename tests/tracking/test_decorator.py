@@ -271,3 +271,26 @@ def test_call_parameters_keep_small_values_and_name_the_type_of_the_rest() -> No
 
     got = call_parameters(inspect.signature(fn), (Path("/data/x"), (1, 2), "a"), {"big": list(range(1000))})
     assert got == {"args.path": "/data/x", "args.sizes": [1, 2], "args.rest": ["a"], "args.big": "<builtins.list>"}
+
+
+def test_secret_looking_arguments_never_reach_the_tracking_store(client: MlflowClient) -> None:
+    exp = _experiment()
+    f = distributed(configured, experiment_name=exp, **CPU)
+    secrets = {"api_key": "s3cr3t-api-value-91", "cfg": {"db_password": "hunter2-xyz-77", "layers": 3}}
+    assert f.distributed(2, **secrets) == [2, 2]
+    params = _runs(client, exp)[0].data.params
+    assert params["args.api_key"] == "***" and params["args.cfg.db_password"] == "***"
+    assert params["args.cfg.layers"] == "3" and params["args.steps"] == "2"  # the rest as it was
+    store = os.environ["MLFLOW_TRACKING_URI"].removeprefix("sqlite:///")
+    data = open(store, "rb").read()
+    assert b"s3cr3t-api-value-91" not in data and b"hunter2-xyz-77" not in data
+
+
+def test_redact_masks_secret_names_and_every_env_variable() -> None:
+    from gpufleet.tracking.runs import looks_secret, redact
+
+    config = {"env_variables": {"HF_HOME": "/tmp/hf"}, "parameters": {"lr": 0.1, "wandb_token": "t"},
+              "credentials": {"user": "u", "pass": "p"}}  # fmt: skip
+    assert redact(config) == {"env_variables": {"HF_HOME": "***"}, "parameters": {"lr": 0.1, "wandb_token": "***"},
+                              "credentials": "***"}  # fmt: skip
+    assert [n for n in ("HF_TOKEN", "apiKey", "max_steps", "tokenizer", "monkey") if looks_secret(n)] == ["HF_TOKEN", "apiKey"]

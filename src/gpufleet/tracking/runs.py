@@ -58,12 +58,47 @@ def default_artifact_root() -> Path:
     return (gpufleet_home() / "mlartifacts").absolute()
 
 
+#: Words of a parameter name that mark its value as a secret (``api_key``, ``HF_TOKEN``, ``db.password``).
+SECRET_WORDS = frozenset({
+    "token", "secret", "password", "passwd", "pwd", "passphrase", "key", "apikey", "credential",
+    "credentials", "auth", "cookie",
+})
+MASK = "***"
+
+
+def looks_secret(name: str) -> bool:
+    """Whether a parameter or variable name says its value is a secret.
+
+    The name's last dotted part is split into words at ``_``, ``-`` and case changes; one of
+    :data:`SECRET_WORDS` among them marks it (``api_key``, ``HF_TOKEN``, ``dbPassword``).
+    """
+    last = str(name).rsplit(".", 1)[-1]
+    words = re.findall(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])", last)
+    return any(w.lower() in SECRET_WORDS for w in words)
+
+
+def redact(config: Mapping[str, Any], _inside_env: bool = False) -> dict[str, Any]:
+    """A copy of ``config`` with the values of secret-looking names, and every ``env_variables`` value, masked."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if _inside_env or looks_secret(str(key)):
+            out[key] = MASK
+        elif isinstance(value, Mapping):
+            out[key] = redact(value, _inside_env=str(key) == "env_variables")
+        else:
+            out[key] = value
+    return out
+
+
 def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """Flatten nested mappings into ``a.b.c`` keys with string values within MLflow's limits.
 
     Lists and other values become their JSON text; keys lose characters MLflow refuses; keys
-    and values are truncated to MLflow's maximum lengths.
+    and values are truncated to MLflow's maximum lengths. Values of secret-looking names and of
+    ``env_variables`` are masked (:func:`redact`): they never reach the tracking store.
     """
+    if not prefix:
+        params = redact(params)
     flat: dict[str, str] = {}
     for key, value in params.items():
         name = f"{prefix}{key}"
@@ -180,12 +215,12 @@ class TrackedRun:
             self._safely("log parameters", self._client.log_batch, self.run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
 
     def log_config(self, config: Mapping[str, Any], artifact_file: str = "config.yaml") -> None:
-        """Log a resolved configuration: as a YAML artifact and as flattened parameters."""
+        """Log a resolved configuration: as a YAML artifact and as flattened parameters (secrets masked)."""
         if self.run_id is None:
             return
         import yaml
 
-        text = yaml.safe_dump(json.loads(json.dumps(dict(config), default=str)), sort_keys=False)
+        text = yaml.safe_dump(json.loads(json.dumps(redact(config), default=str)), sort_keys=False)
         self._safely("log the configuration", self._client.log_text, self.run_id, text, artifact_file)
         self.log_params(config)
 
