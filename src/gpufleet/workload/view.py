@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -117,14 +118,67 @@ class LogFollower:
                 yield prefix, line.decode("utf-8", "replace").rstrip("\r")
 
 
-def tail_lines(path: Path, num_lines: int | None) -> list[str]:
-    """The last ``num_lines`` lines of a file (all of them for None)."""
+#: Bytes read at a time by :func:`iter_lines` and :func:`tail_lines`.
+LOG_BLOCK = 1 << 16
+
+#: A line ends at ``\n``, ``\r\n`` or a lone ``\r`` (progress bars), as ``bytes.splitlines``.
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+def _decode(line: bytes) -> str:
+    return line.rstrip(b"\r\n").decode("utf-8", "replace")
+
+
+def iter_lines(path: Path, block_size: int = LOG_BLOCK) -> Iterator[str]:
+    """The lines of a file, read ``block_size`` bytes at a time (nothing for a missing file)."""
     try:
-        text = path.read_bytes().decode("utf-8", "replace")
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        rest = b""
+        while block := f.read(block_size):
+            lines = (rest + block).splitlines(keepends=True)
+            # an unterminated last line, or a last "\r" that may be the start of "\r\n", waits
+            rest = lines.pop() if lines and not lines[-1].endswith(b"\n") else b""
+            for line in lines:
+                yield _decode(line)
+        for line in rest.splitlines():
+            yield _decode(line)
+
+
+def tail_lines(path: Path, num_lines: int | None, block_size: int = LOG_BLOCK) -> list[str]:
+    """The last ``num_lines`` lines of a file (all of them for None).
+
+    Reads blocks backwards from the end until it holds more than ``num_lines`` line ends, so
+    memory follows the size of those lines, not of the file.
+    """
+    if num_lines is None:
+        return list(iter_lines(path, block_size))
+    if num_lines <= 0:
+        return []
+    try:
+        f = open(path, "rb")
     except FileNotFoundError:
         return []
-    lines = text.splitlines()
-    return lines if num_lines is None else lines[-num_lines:] if num_lines > 0 else []
+    with f:
+        pos = f.seek(0, os.SEEK_END)
+        blocks: list[bytes] = []
+        ends = 0
+        while pos > 0 and ends <= num_lines:
+            size = min(block_size, pos)
+            pos -= size
+            f.seek(pos)
+            block = f.read(size)
+            ends += block.count(b"\n") + block.count(b"\r") - block.count(b"\r\n")
+            if blocks and block.endswith(b"\r") and blocks[-1].startswith(b"\n"):
+                ends -= 1  # one "\r\n", cut in two by the blocks
+            blocks.append(block)
+    data = b"".join(reversed(blocks))
+    if pos > 0:  # the first line read may be cut: keep what follows its end
+        first_end = _LINE_END.search(data)
+        data = data[first_end.end():] if first_end else b""
+    return [_decode(line) for line in data.splitlines()[-num_lines:]]
 
 
 # ------------------------------------------------------------------ watch
