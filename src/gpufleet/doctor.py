@@ -59,6 +59,64 @@ def _torch_report() -> dict[str, Any]:
     return info
 
 
+#: Addresses a listening socket is reachable on only from this machine.
+_LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+def _rendezvous_report() -> dict[str, Any] | None:
+    """Where torch's rendezvous store listens when a run's rank 0 starts it, as for one machine.
+
+    ``MASTER_ADDR=127.0.0.1`` only tells the other ranks where to connect: rank 0's
+    ``TCPStore`` server binds its port on every interface. Probed by starting one on port 0.
+    None without torch.distributed.
+    """
+    if _version("torch") is None:
+        return None
+    try:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return None
+        store = dist.TCPStore(
+            host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
+        )
+        try:
+            address = _listen_address(store.port)
+        finally:
+            del store
+    except Exception as e:
+        return {"listen_address": None, "loopback_only": None, "error": str(e)}
+    if address is None:
+        return {"listen_address": None, "loopback_only": None, "error": "its listening socket was not found"}
+    return {"listen_address": address, "loopback_only": address in _LOOPBACK}
+
+
+def _listen_address(port: int) -> str | None:
+    import psutil
+
+    proc = psutil.Process()
+    conns = proc.net_connections(kind="tcp") if hasattr(proc, "net_connections") else proc.connections(kind="tcp")
+    for c in conns:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
+            return str(c.laddr.ip)
+    return None
+
+
+def _rendezvous_line(info: dict[str, Any]) -> tuple[str, str]:
+    advice = ("with no authentication: on a shared network, firewall this host or run in a network "
+              "namespace (docs/multinode.md, \"Rendezvous ports\")")  # fmt: skip
+    address = info["listen_address"]
+    if info["loopback_only"]:
+        return OK, f"rendezvous: torch's TCPStore listens on {address} only (this machine)"
+    if address is None:
+        return WARN, f"rendezvous: could not check where torch's TCPStore listens ({info['error']}); it usually listens on all interfaces, {advice}"
+    where = f"all interfaces ({address})" if address in ("::", "0.0.0.0") else address
+    return WARN, (f"rendezvous: torch's TCPStore (rank 0 of a one-machine run) listens on {where}, "
+                  f"not only on MASTER_ADDR=127.0.0.1, {advice}")  # fmt: skip
+
+
 def collect() -> dict[str, Any]:
     """Everything ``doctor`` reports, as a JSON-ready dict with ``ok``/``warn``/``fail`` checks."""
     from .launch.gpus import list_gpus
@@ -92,6 +150,9 @@ def collect() -> dict[str, Any]:
             checks.append((WARN, "torch was built without NCCL: multi-GPU training falls back to gloo"))
     else:
         checks.append((WARN, "no NVIDIA GPU visible: use gpu_type='cpu' / accelerator_type CPU_<n> here"))
+    rendezvous = _rendezvous_report() if torch_info.get("installed") and "error" not in torch_info else None
+    if rendezvous is not None:
+        checks.append(_rendezvous_line(rendezvous))
     checks.append((OK if home_ok else FAIL, f"state folder {home} {'is writable' if home_ok else 'is NOT writable (set GPUFLEET_HOME)'}"))
     for extra, info in extras.items():
         checks.append((OK if info["installed"] else WARN, f"extra [{extra}] " + (
@@ -104,6 +165,7 @@ def collect() -> dict[str, Any]:
         "gpus": gpus,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "home": str(home),
+        "rendezvous": rendezvous,
         "mlflow_tracking_uri": os.environ.get("MLFLOW_TRACKING_URI"),
         "extras": extras,
         "checks": [{"status": s, "message": m} for s, m in checks],
