@@ -262,4 +262,86 @@ def train_deepspeed(ckpt_dir: str, save_at: int, total_steps: int) -> dict[str, 
         if step == save_at:
             manager.save(step)
             saved_params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    return {"resumed": resumed, "losses": losses, "saved_params": saved_params, "lr": scheduler.get_last_lr()}
+    return {
+        "resumed": resumed,
+        "skipped": [(s.step, s.reason) for s in manager.last_resume["skipped"]],
+        "losses": losses,
+        "saved_params": saved_params,
+        "lr": scheduler.get_last_lr(),
+    }
+
+
+def _fixed_setup(ckpt_dir: str, strategy: str) -> tuple[Any, Any, Any, Any]:
+    import torch
+
+    from gpufleet.checkpoint import CheckpointManager
+
+    model = wrap(build_model(), strategy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    manager = CheckpointManager(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, keep_last=None)
+    return model, optimizer, scheduler, manager
+
+
+def save_at_steps(ckpt_dir: str, steps: list[int], strategy: str = "ddp") -> dict[str, Any]:
+    """Train on fixed batches from a fresh start and save at each of ``steps``; every rank
+    returns, per saved step, the full state it saved and its torch RNG state."""
+    import torch
+    import torch.distributed as dist
+
+    from gpufleet import runtime
+
+    runtime.setup()
+    model, optimizer, scheduler, manager = _fixed_setup(ckpt_dir, strategy)
+    torch.manual_seed(100 + dist.get_rank())  # dropout draws from it: per rank, restored by resume
+    gen = torch.Generator().manual_seed(5)
+    saved = {}
+    for step in range(1, max(steps) + 1):
+        x = torch.randn(8, NUM_FEATURES, generator=gen)
+        torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        if step in steps:
+            saved[step] = {
+                "params": full_params(model),
+                "optim": full_optim_state(model, optimizer),
+                "lr": scheduler.get_last_lr(),
+                "rng": torch.get_rng_state(),
+            }
+            manager.save(step)
+    manager.close()
+    return saved
+
+
+def resume_and_report(ckpt_dir: str, strategy: str = "ddp") -> dict[str, Any]:
+    """Resume into freshly built objects; every rank returns the step, the checkpoints skipped,
+    the checkpoint warnings it logged and the full state it loaded."""
+    import logging
+
+    import torch
+
+    from gpufleet import runtime
+
+    runtime.setup()
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("gpufleet.checkpoint").addHandler(handler)
+    model, optimizer, scheduler, manager = _fixed_setup(ckpt_dir, strategy)
+    torch.manual_seed(999)  # not the saved state: resume must restore it
+    resumed = manager.resume()
+    logging.getLogger("gpufleet.checkpoint").removeHandler(handler)
+    return {
+        "resumed": resumed,
+        "skipped": [(s.step, s.path.name, s.reason) for s in manager.last_resume["skipped"]],
+        "warnings": warnings,
+        "params": full_params(model),
+        "optim": full_optim_state(model, optimizer),
+        "lr": scheduler.get_last_lr(),
+        "rng": torch.get_rng_state(),
+    }

@@ -3,8 +3,9 @@
 Every rank writes its own shard of the model and optimizer in parallel (DCP), plus a small
 file of its own state (RNG states and data-loader position). Rank 0 writes the completion
 marker last. Old complete checkpoints beyond ``keep_last`` are deleted; torn ones are kept
-aside and never loaded. A DeepSpeed engine is saved with its own ``save_checkpoint`` into the
-same ``step-N`` layout.
+aside and never loaded. ``resume`` falls back from a complete checkpoint that does not load
+(damaged after its save) to the next older one, the ranks agreeing on each try. A DeepSpeed
+engine is saved with its own ``save_checkpoint`` into the same ``step-N`` layout.
 
 This module holds the manager's flow (collectives, DCP save and load, completion, resume);
 the DeepSpeed engine's format, the asynchronous-save machinery and the per-rank file live in
@@ -17,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +27,15 @@ from .async_save import PendingSave, make_stager
 from .deepspeed_engine import check_engine_options, is_deepspeed_engine, load_engine, save_engine
 from .errors import CheckpointError
 from .export import export_checkpoint
-from .rank_state import load_rank_state, write_rank_state
+from .integrity import (
+    SkippedCheckpoint,
+    check_dcp_shards,
+    check_files,
+    describe,
+    file_sizes,
+    merge_reasons,
+)
+from .rank_state import apply_rank_state, read_rank_state, write_rank_state
 from .torch_dist import import_torch_dist, quiet_single_process
 
 if TYPE_CHECKING:
@@ -33,7 +43,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointManager", "CheckpointError"]
+__all__ = ["CheckpointManager", "CheckpointError", "SkippedCheckpoint"]
+
+_TORN = "torn (its save never finished)"
+
+
+@dataclass(frozen=True)
+class _LoadPlan:
+    """What the checks before a load read: the format, the saving world size, this rank's file."""
+
+    format: str
+    saved_world_size: int
+    rank_state: dict[str, Any] | None
 
 
 class CheckpointManager:
@@ -77,6 +98,11 @@ class CheckpointManager:
             stall of an asynchronous save a fast device-to-host copy. Default: on when CUDA is
             available.
 
+    Attributes:
+        last_save: about the last ``save``: step, whether asynchronous, seconds blocked, ...
+        last_resume: about the last ``resume``: ``step`` loaded (None: none) and ``skipped``,
+            the :class:`SkippedCheckpoint` s passed over before it, newest first.
+
     Raises:
         ValueError: a wrong argument (the message says which).
     """
@@ -119,6 +145,7 @@ class CheckpointManager:
         self.async_save = async_save
         self.save_rng = save_rng
         self.last_save: dict[str, Any] = {}
+        self.last_resume: dict[str, Any] = {}
         self._pending: PendingSave | None = None
 
         dist = import_torch_dist()
@@ -268,6 +295,7 @@ class CheckpointManager:
                 "format": "deepspeed" if self.deepspeed else "dcp",
                 "world_size": self.world_size,
                 "async": is_async,
+                "files": file_sizes(path),
             },
         )
         logger.info("checkpoint of step %d complete in %s (%.2f s)", step, path, elapsed)
@@ -299,22 +327,53 @@ class CheckpointManager:
 
     # -- loading --------------------------------------------------------------------------
     def resume(self) -> int | None:
-        """Load the newest complete checkpoint, skipping torn ones (call on every rank).
+        """Load the newest checkpoint that loads (call on every rank).
+
+        Checkpoints are tried newest first. A torn one (its save never finished) is skipped;
+        so is a complete one that does not load on some rank (a shard missing or truncated,
+        unreadable metadata, a read error): every rank agrees on the outcome of each try, and
+        the next older one is loaded into the same objects, overwriting whatever the failed
+        try had put there. Each skip is logged as a warning on rank 0 and recorded in
+        :attr:`last_resume` (``{"step": ..., "skipped": [SkippedCheckpoint, ...]}``).
 
         Returns:
             Its step, or None when there is no complete checkpoint (a fresh start).
+
+        Raises:
+            CheckpointError: there are complete checkpoints but none loads; the message lists
+                each checkpoint tried and why it was skipped. The model and optimizer may then
+                hold part of a checkpoint: build them again before starting without one.
         """
         self.wait()
-        latest = self.latest() if self.rank == 0 else None
+        listing = None
         if self.rank == 0:
-            torn = [c.path.name for c in self.checkpoints() if not c.complete and (latest is None or c.step > latest.step)]
-            if torn:
-                logger.warning("skipping torn (incomplete) checkpoint(s) %s in %s", ", ".join(torn), self.root)
-        step = self._broadcast(latest.step if latest is not None else None)
-        if step is None:
-            logger.info("no complete checkpoint in %s: starting fresh", self.root)
-            return None
-        return self.load(step)
+            listing = [(c.step, c.complete) for c in reversed(self.checkpoints())]
+        listing = self._broadcast(listing)
+        skipped: list[SkippedCheckpoint] = []
+        self.last_resume = {"step": None, "skipped": skipped}
+        tried = False
+        for step, complete in listing:
+            path = layout.step_dir(self.root, step)
+            if complete:
+                tried = True
+                reason = self._try_load(step)
+                if reason is None:
+                    self.last_resume["step"] = step
+                    if self.rank == 0:
+                        logger.info("resumed from %s", path)
+                    return step
+            else:
+                reason = _TORN
+            skipped.append(SkippedCheckpoint(step, path, reason))
+            if self.rank == 0 and complete:
+                logger.warning("skipping checkpoint %s in %s, which does not load: %s", path.name, self.root, reason)
+            elif self.rank == 0:
+                logger.warning("skipping torn (incomplete) checkpoint %s in %s", path.name, self.root)
+        if tried:
+            tried_list = "\n".join(f"  {s.path.name}: {s.reason}" for s in skipped)
+            raise CheckpointError(f"no checkpoint in {self.root} loads; tried, newest first:\n{tried_list}")
+        logger.info("no complete checkpoint in %s: starting fresh", self.root)
+        return None
 
     def load(self, step: int) -> int:
         """Load checkpoint ``step`` (call on every rank).
@@ -323,30 +382,83 @@ class CheckpointManager:
             ``step``.
 
         Raises:
-            CheckpointError: that checkpoint does not exist or is torn.
+            CheckpointError: that checkpoint does not exist, is torn, or does not load on some
+                rank (raised on every rank, with the reason).
         """
         path = layout.step_dir(self.root, step)
-        info = next((c for c in self.checkpoints() if c.step == step), None)
+        reason = self._try_load(step)
+        if reason is not None:
+            raise CheckpointError(f"cannot load checkpoint {path}: {reason}")
+        if self.rank == 0:
+            logger.info("resumed from %s", path)
+        return step
+
+    def _try_load(self, step: int) -> str | None:
+        """Load checkpoint ``step`` on every rank; None, or why it failed (the same on every rank).
+
+        First every rank checks what it can without touching the training state (the files and
+        their sizes, the DCP metadata, its own per-rank file); only when that passed on every
+        rank is the checkpoint loaded. Each phase ends with the ranks agreeing on its outcome,
+        so no rank goes on with a checkpoint another rank could not load.
+        """
+        path = layout.step_dir(self.root, step)
+        reason: str | None = None
+        plan: _LoadPlan | None = None
+        try:
+            plan = self._check(step, path)
+        except Exception as e:
+            reason = describe(e)
+        reason = self._agree(reason)
+        if reason is not None or plan is None:
+            return reason
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            self._apply(path, plan)
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            reason = describe(e)
+        return self._agree(reason)
+
+    def _check(self, step: int, path: Path) -> _LoadPlan:
+        """What loading ``step`` needs, read and checked without changing any training state."""
+        found = self.checkpoints()
+        info = next((c for c in found if c.step == step), None)
         if info is None or not info.complete:
             state = "is torn (its save never finished)" if info is not None else "does not exist"
-            have = [c.step for c in self.checkpoints() if c.complete]
+            have = [c.step for c in found if c.complete]
             raise CheckpointError(f"checkpoint {path} {state}; complete checkpoints: {have or 'none'}")
         marker = info.marker
         fmt = marker.get("format", "dcp")
-        if fmt == "deepspeed":
-            if not self.deepspeed:
-                raise CheckpointError(f"{path} was saved by a DeepSpeed engine: pass the engine as model=")
+        if fmt == "deepspeed" and not self.deepspeed:
+            raise CheckpointError(f"{path} was saved by a DeepSpeed engine: pass the engine as model=")
+        if fmt != "deepspeed" and self.deepspeed:
+            raise CheckpointError(f"{path} is a DCP checkpoint and cannot be loaded into a DeepSpeed engine")
+        check_files(path, marker)
+        if fmt != "deepspeed":
+            check_dcp_shards(path)
+        saved_world_size = int(marker.get("world_size", 0))
+        rank_state = read_rank_state(path, self.rank, self.world_size, saved_world_size)
+        return _LoadPlan(fmt, saved_world_size, rank_state)
+
+    def _apply(self, path: Path, plan: _LoadPlan) -> None:
+        """Load checkpoint ``path`` into the training state (collective through DCP or DeepSpeed)."""
+        if plan.format == "deepspeed":
             load_engine(self.model, self.root, path, self.scheduler, self.stateful)
         else:
-            if self.deepspeed:
-                raise CheckpointError(f"{path} is a DCP checkpoint and cannot be loaded into a DeepSpeed engine")
             self._load_dcp(path)
-        saved_world_size = int(marker.get("world_size", 0))
-        load_rank_state(
-            path, self.rank, self.world_size, saved_world_size, save_rng=self.save_rng, dataloader=self.dataloader
+        apply_rank_state(
+            plan.rank_state, path, self.world_size, plan.saved_world_size,
+            save_rng=self.save_rng, dataloader=self.dataloader,
         )
-        logger.info("resumed from %s", path)
-        return step
+
+    def _agree(self, reason: str | None) -> str | None:
+        """Every rank's outcome, merged: None when it succeeded everywhere, else the reason(s)."""
+        if not self._dist_on:
+            return reason
+        dist = import_torch_dist()
+        reasons: list[str | None] = [None] * dist.get_world_size(self._pg)
+        dist.all_gather_object(reasons, reason, group=self._pg)
+        return merge_reasons(reasons)
 
     def _load_dcp(self, path: Path) -> None:
         import torch.distributed.checkpoint as dcp
