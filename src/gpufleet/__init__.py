@@ -16,6 +16,7 @@ from .errors import (
     LaunchConfigError,
     PayloadPicklingError,
     RunCanceledError,
+    SchedulingTimeoutError,
     WorkerExitError,
     WorkerGroupError,
     WorkerSignalError,
@@ -57,6 +58,7 @@ __all__ = [
     "WorkerExitError",
     "DistributedTimeoutError",
     "RunCanceledError",
+    "SchedulingTimeoutError",
     "__version__",
     *_LAZY,
 ]

@@ -17,6 +17,7 @@ __all__ = [
     "WorkerExitError",
     "DistributedTimeoutError",
     "RunCanceledError",
+    "SchedulingTimeoutError",
 ]
 
 
@@ -30,6 +31,10 @@ class LaunchConfigError(GpufleetError, ValueError):
 
 class GPUUnavailableError(LaunchConfigError):
     """The GPUs asked for (count or type) are not on this machine."""
+
+
+class SchedulingTimeoutError(GpufleetError, TimeoutError):
+    """A cluster could not give the run the resources it asked for in time (nothing was wrong with the request)."""
 
 
 class PayloadPicklingError(GpufleetError, pickle.PicklingError):
@@ -76,13 +81,14 @@ class RankFailure:
         """One line that says what happened on this rank."""
         if self.kind == EXCEPTION:
             return f"{self.exc_type}: {self.message}" if self.message else self.exc_type
+        why = f" ({self.message})" if self.message else ""
         if self.kind == SIGNAL:
-            hint = " (often the out-of-memory killer)" if self.signal_name == "SIGKILL" else ""
+            hint = " (often the out-of-memory killer)" if self.signal_name == "SIGKILL" and not why else why
             return f"killed by signal {self.signal_name}{hint}"
         if self.kind == EXIT:
-            return f"process exited with code {self.exit_code} before returning a result"
+            return f"process exited with code {self.exit_code} before returning a result{why}"
         if self.kind == NO_RESULT:
-            return "process exited with code 0 without returning a result (os._exit or sys.exit in the function?)"
+            return f"process exited with code 0 without returning a result (os._exit or sys.exit in the function?){why}"
         return self.message or "stopped by gpufleet"
 
     def group_key(self) -> tuple[str, str, str]:

@@ -223,7 +223,7 @@ def test_cancelling_a_two_node_workload_stops_both_nodes(two_nodes, tmp_path: Pa
 
 
 def test_a_ray_driver_the_cluster_can_never_serve_gets_a_clear_error(two_nodes, tmp_path: Path, monkeypatch) -> None:
-    from gpufleet.errors import LaunchConfigError
+    from gpufleet.errors import LaunchConfigError, SchedulingTimeoutError
     from gpufleet.workload import ray_executor
     from gpufleet.workload.schema import WorkloadConfig
 
@@ -235,9 +235,11 @@ def test_a_ray_driver_the_cluster_can_never_serve_gets_a_clear_error(two_nodes, 
     executor = ray_executor.RayExecutor(config, two_nodes.address)
     started = time.monotonic()
     try:
-        with pytest.raises(LaunchConfigError, match=r"has 2 CPUs in all \(2 nodes alive\); this workload's Ray "
-                                                     r"driver needs 4 \(compute.num_accelerators\)"):
+        with pytest.raises(SchedulingTimeoutError, match=r"has 2 CPUs in all \(2 nodes alive\); this workload's Ray "
+                                                         r"driver needs 4 \(compute.num_accelerators\)") as info:
             executor.rendezvous(config.compute.num_nodes)
+        # waiting too long for room is not a wrong setting (it was a LaunchConfigError)
+        assert not isinstance(info.value, LaunchConfigError) and isinstance(info.value, TimeoutError)
     finally:
         executor.close()
     assert time.monotonic() - started < 15

@@ -327,3 +327,29 @@ def test_a_value_that_cannot_be_unpickled_fails_naming_the_rank(tmp_path):
     with pytest.raises(WorkerGroupError, match="rank 1's return value could not be unpickled"):
         c.run()
     assert c.state == FAILED
+
+
+def test_a_group_that_gives_up_starting_ends_canceled_and_says_so(tmp_path):
+    def gives_up(tmp_path, clock):
+        return FakeGroup(tmp_path, clock, [], start_error=GroupStartCanceled("waiting for room"))
+
+    rec = Recorder()
+    c, groups, _ = make(tmp_path, [gives_up], callbacks=[rec])
+    c.cancel("canceled by the user")
+    with pytest.raises(RunCanceledError, match="canceled by the user.*before its ranks started"):
+        c.start()
+    assert c.state == CANCELED and groups[0].closed == [False]
+    assert rec.events[-1] == ("end", 0, "CANCELED", "RunCanceledError")
+
+
+def test_a_per_attempt_deadline_starts_once_the_ranks_started(tmp_path):
+    class SlowStart(FakeGroup):
+        def start(self):
+            self.clock.now += 50.0  # waited for room on a cluster
+            super().start()
+
+    c, _, _ = make(
+        tmp_path, {1: lambda p, clock: SlowStart(p, clock, [[]] * 10 + [[ok(0, None), ok(1, None)]])},
+        timeout_s=5.0, timeout_per_attempt=True, first_attempt=1,
+    )
+    assert c.run() == [None, None]

@@ -20,7 +20,7 @@ def test_public_api_is_pinned():
             "distributed", "ray_launch", "runtime", "errors", "DistributedFunction", "RunHandle",
             "GpufleetError", "LaunchConfigError", "GPUUnavailableError", "PayloadPicklingError",
             "WorkerGroupError", "WorkerSignalError", "WorkerExitError", "DistributedTimeoutError",
-            "RunCanceledError", "__version__",
+            "RunCanceledError", "SchedulingTimeoutError", "__version__",
             "prepare", "plan", "advise", "PreparedModel", "DDPConfig", "FSDP2Config", "DeepSpeedConfig",
             "StrategyConfigError", "CheckpointManager", "CheckpointError", "export_checkpoint",
             "FileDataset", "TimedDataLoader", "start_tracked_run",
@@ -87,3 +87,20 @@ def test_cli_surface_is_pinned():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     assert set(sub.choices) == {"run", "get", "list", "logs", "cancel", "validate", "schema", "advise", "doctor"}
+
+
+def test_every_gpufleet_exception_is_a_gpufleet_error():
+    """Catching GpufleetError catches whatever gpufleet raises (RemoteTraceback is only a cause's carrier)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    classes = {}
+    for info in pkgutil.walk_packages(gpufleet.__path__, "gpufleet."):
+        module = importlib.import_module(info.name)
+        for obj in vars(module).values():
+            if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__.startswith("gpufleet."):
+                classes[f"{obj.__module__}.{obj.__qualname__}"] = obj
+    assert len(classes) > 15
+    outside = sorted(n for n, c in classes.items() if not issubclass(c, gpufleet.GpufleetError))
+    assert outside == ["gpufleet.errors.RemoteTraceback"]

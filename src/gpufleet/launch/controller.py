@@ -135,7 +135,7 @@ class Controller:
         try:
             return self._begin_attempt()
         except BaseException as e:
-            self._end(FAILED, None, e)
+            self._end(CANCELED if isinstance(e, RunCanceledError) else FAILED, None, e)
             raise
 
     def run(self) -> list[Any]:
@@ -167,7 +167,7 @@ class Controller:
                 try:
                     self._begin_attempt()
                 except BaseException as e:
-                    self._end(FAILED, None, e)
+                    self._end(CANCELED if isinstance(e, RunCanceledError) else FAILED, None, e)
                     raise
         except KeyboardInterrupt:
             self._interrupted()
@@ -201,8 +201,12 @@ class Controller:
 
     # -- attempts -------------------------------------------------------------------------
     def _begin_attempt(self) -> WorkerGroup:
-        if self._timeout_per_attempt and self._timeout_s is not None:
-            self._deadline = self._clock() + self._timeout_s
+        """Make and start the next attempt's group.
+
+        Raises:
+            RunCanceledError: the group gave up starting because of a cancel.
+            Exception: whatever the group's start raised (a wrong setting, say).
+        """
         group = self._make_group(self.attempt)
         self.group = group
         if self._cancel is not None:
@@ -211,10 +215,20 @@ class Controller:
         self._call_hooks("before_start", group)
         try:
             group.start()
+        except GroupStartCanceled as e:
+            group.close(False)
+            reason = self._cancel[0] if self._cancel else str(e)
+            error = RunCanceledError(
+                {}, group.num_ranks, str(group.run_dir.path), f"the run was canceled ({reason}) before its ranks started"
+            )
+            self._notify_end(group, CANCELED, error)
+            raise error from e
         except BaseException as e:
             group.close(False)
             self._notify_end(group, FAILED, e)
             raise
+        if self._timeout_per_attempt and self._timeout_s is not None:
+            self._deadline = self._clock() + self._timeout_s  # an attempt's own time starts with its ranks
         if group.starts_at_once:
             self.state = RUNNING
         self._call_hooks("after_start", group)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import LaunchConfigError
+from ..errors import LaunchConfigError, SchedulingTimeoutError
 from ..launch.group import GroupStartCanceled
 from .envs import DEPENDENCIES_ENV
 from .nodes import GRACE_PERIOD_S, NodeExecutor, NodeProcess, NodeSpec
@@ -162,15 +162,15 @@ class RayExecutor(NodeExecutor):
     def _wait(self, ready: Callable[[], bool], what: str, failure: Callable[[int], str]) -> None:
         """Wait until ``ready()`` (which blocks about a second when not) for up to 10 minutes.
 
-        A cancel raises :class:`~gpufleet.launch.group.GroupStartCanceled`; the time limit raises ``LaunchConfigError``
-        with ``failure(nodes alive)``.
+        A cancel raises :class:`~gpufleet.launch.group.GroupStartCanceled`; the time limit raises
+        :class:`~gpufleet.errors.SchedulingTimeoutError` with ``failure(nodes alive)``.
         """
         deadline = time.monotonic() + _SCHEDULE_TIMEOUT_S
         while not ready():
             if self.canceled():
                 raise GroupStartCanceled(f"while waiting for {what} on the Ray cluster")
             if time.monotonic() > deadline:
-                raise LaunchConfigError(failure(sum(1 for n in self._ray.nodes() if n["Alive"])))
+                raise SchedulingTimeoutError(failure(sum(1 for n in self._ray.nodes() if n["Alive"])))
 
     def _wait_for_capacity(self) -> None:
         """For a Ray driver: wait until the cluster has the workload's accelerators in all."""

@@ -22,6 +22,7 @@ import yaml
 from yaml.events import AliasEvent
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from ...errors import GpufleetError
 from .problems import Problem, WorkloadValidationError, path_of
 
 #: At most this many values may come from aliases (``*name``) beyond those written out.
@@ -34,7 +35,7 @@ _PLAIN_TAGS = frozenset(
 )
 
 
-class RefusedYAMLError(yaml.MarkedYAMLError):
+class RefusedYAMLError(GpufleetError, yaml.MarkedYAMLError):
     """YAML that parses but is refused (recursive or exploding aliases, non-plain tags)."""
 
     def __init__(self, loc: tuple[Any, ...], message: str, mark: yaml.Mark | None) -> None:
