@@ -166,9 +166,20 @@ class DistributedFunction:
             raise TypeError(f"{name}{self._signature}: {e}; nothing was launched") from None
 
     def _pickle_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+        import io
         import pickle
 
         import cloudpickle
+
+        for where, value in [*((f"positional argument {i}", a) for i, a in enumerate(args)),
+                             *((f"argument {k!r}", v) for k, v in kwargs.items())]:  # fmt: skip
+            if isinstance(value, io.IOBase):
+                # cloudpickle would send a copy of a read-mode file's contents as a StringIO,
+                # silently: not the file, its position or its later writes
+                raise PayloadPicklingError(
+                    f"cannot send the call to the workers: {where} is an open file ({_describe(value)}). "
+                    "Pass its path and open it inside the function; nothing was launched."
+                )
 
         try:
             return cloudpickle.dumps((self.func, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)

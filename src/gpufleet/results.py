@@ -34,8 +34,19 @@ class RunDir:
 
     @classmethod
     def create(cls, base: str | os.PathLike[str] | None, run_id: str) -> RunDir:
-        root = Path(base) if base else gpufleet_home() / "runs"
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        """Make the run's private folder under ``base`` (default ``$GPUFLEET_HOME/runs``).
+
+        Raises:
+            UnsafeStateError: ``base`` (or the state folder) is not the user's own (see
+                :mod:`gpufleet.private`); nothing is read from it then.
+        """
+        from .private import private_dir
+
+        if base:
+            root = private_dir(base, "the runs folder")
+        else:
+            private_dir(gpufleet_home())
+            root = private_dir(gpufleet_home() / "runs", "the runs folder")
         path = root / run_id
         path.mkdir(mode=0o700)
         os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask

@@ -373,3 +373,20 @@ def test_max_retries_relaunches_after_a_failure():
     assert distributed(max_retries=1, **cpu2)(_fail_first_attempt).distributed() == [1, 1]
     with pytest.raises(ConnectionError):
         distributed(max_retries=0, **cpu2)(_fail_first_attempt).distributed()
+
+
+def _reads(f) -> str:
+    return f.read()
+
+
+def test_an_open_file_argument_is_refused_not_copied(tmp_path):
+    path = tmp_path / "data.txt"
+    path.write_text("rows")
+    with open(path) as f, pytest.raises(PayloadPicklingError, match="argument 0 is an open file.*Pass its path"):
+        distributed(**cpu2)(_reads).distributed(f)
+
+
+def test_more_cpu_workers_than_cores_warns(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    with pytest.warns(RuntimeWarning, match="2 CPU workers on a machine with 1 cores"):
+        assert distributed(**cpu2)(runtime.get_global_rank).distributed() == [0, 1]

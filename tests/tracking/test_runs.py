@@ -35,12 +35,12 @@ def client() -> MlflowClient:
 
 def test_flatten_params_nests_stringifies_and_truncates() -> None:
     flat = flatten_params(
-        {"optim": {"lr": 0.001, "betas": [0.9, 0.95]}, "name": "x" * 7000, "bad key!": None, "empty": {}}
+        {"optim": {"lr": 0.001, "betas": [0.9, 0.95]}, "name": "x" * 7000, "bad name!": None, "empty": {}}
     )
     assert flat["optim.lr"] == "0.001"
     assert flat["optim.betas"] == "[0.9, 0.95]"
     assert len(flat["name"]) == 6000
-    assert flat["bad key_"] == "None"
+    assert flat["bad name_"] == "None"
     assert flat["empty"] == "{}"
 
 

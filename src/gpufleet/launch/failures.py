@@ -81,9 +81,24 @@ def failure_from_outcome(rank: int, rec: Mapping[str, Any], log_path: Path) -> R
     )
 
 
+_OUT_OF_SPACE = re.compile(r"No space left on device|\[Errno 28\]|Disk quota exceeded|\[Errno 122\]")
+
+
+def out_of_space(log_tail: str) -> str:
+    """What a rank's last lines say of a full disk (the line, and the folder when it names one), or ''."""
+    for line in reversed(log_tail.splitlines()):
+        if _OUT_OF_SPACE.search(line):
+            return f"out of disk space: {line.strip()[:300]}"
+    return ""
+
+
 def failure_from_exit(rank: int, code: int, log_path: Path) -> RankFailure:
     """The failure of a rank that exited with ``code`` without an outcome record."""
-    common = {"rank": rank, "time": time.time(), "log_path": str(log_path), "log_tail": tail(log_path)}
+    log_tail = tail(log_path)
+    common = {
+        "rank": rank, "time": time.time(), "log_path": str(log_path), "log_tail": log_tail,
+        "message": out_of_space(log_tail),
+    }
     if code < 0:
         return RankFailure(kind=SIGNAL, exit_code=code, signal_name=signal_name(-code), **common)
     if code == 0:
@@ -141,6 +156,9 @@ def load_values(results: Mapping[int, Mapping[str, Any]], num_ranks: int, run_di
     values = []
     for rank in range(num_ranks):
         rec = results[rank]
+        if rec.get("value") is None:  # a rank with nothing to return (a workload's node command)
+            values.append(None)
+            continue
         try:
             values.append(cloudpickle.loads(rec["value"]))
         except Exception as e:

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import subprocess
+import warnings
 from dataclasses import dataclass
 
 from ..errors import GPUUnavailableError, LaunchConfigError
@@ -134,8 +135,16 @@ def resolve_local(gpus: int | None, gpu_type: str | None) -> Placement:
             f"gpu_type must be a GPU model such as 'H100' or 'cpu', got {gpu_type!r}"
         )
     if gpu_type is not None and gpu_type.strip().lower() == CPU:
+        cores = os.cpu_count() or 1
         if gpus is None:
-            gpus = max(1, min(os.cpu_count() or 1, 2))
+            gpus = max(1, min(cores, 2))
+        if gpus > cores:
+            warnings.warn(
+                f"{gpus} CPU workers on a machine with {cores} cores: the workers share the cores, so the run is "
+                f"slower than with {cores} (and collectives may time out under the load). Use gpus<={cores} "
+                "for speed; more workers only make sense to test a larger world size.",
+                RuntimeWarning, stacklevel=4,
+            )
         return Placement(num_workers=gpus, use_gpus=False)
     found = list_gpus()
     if not found:

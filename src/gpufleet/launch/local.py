@@ -106,7 +106,7 @@ class LocalWorkerGroup(WorkerGroup):
 
     def start(self) -> None:
         assert self.spec.payload is not None, "a local worker group runs a payload"
-        self.run_dir.payload.write_bytes(self.spec.payload.dumps())
+        self.spec.payload.write(self.run_dir.payload)
         addr = self.placement.master_addr
         self.rendezvous = Rendezvous(addr, find_free_port(addr))
         try:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from ..private import private_file_opener
+
 
 @dataclass(frozen=True)
 class LogConfig:
@@ -49,7 +51,7 @@ class RankLog:
 
     def __init__(self, rank: int, path: Path, logs: LogConfig) -> None:
         self.rank = rank
-        self._file = open(path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
+        self._file = open(path, "ab", buffering=0, opener=private_file_opener)  # noqa: SIM115 - closed in close()
         self._lock = threading.Lock()
         self._logs = logs
         self._out: IO[str] = sys.stdout

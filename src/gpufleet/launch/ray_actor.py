@@ -169,7 +169,7 @@ class RankProcess(ChildProcess):
         ``payload`` is the launch spec's payload as it is (``fast_exit`` included); its import
         paths are the caller's, which mean nothing here, so the actor's own are used.
         """
-        self.run_dir.payload.write_bytes(Payload(payload.call, (), payload.fast_exit).dumps())
+        Payload(payload.call, (), payload.fast_exit).write(self.run_dir.payload)
         full_env = dict(os.environ)
         full_env.update(env)
         full_env.update(default_threads(full_env, int(env.get("LOCAL_WORLD_SIZE", "1"))))

@@ -12,6 +12,7 @@ import os
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 #: Set in each rank's environment: the caller's pid (a rank ends itself when its caller is gone).
@@ -85,16 +86,27 @@ class Payload:
     sys_path: tuple[str, ...] = ()
     fast_exit: bool = True
 
-    def dumps(self) -> bytes:
-        """The payload file's bytes."""
-        data = {"call": self.call, "sys_path": list(self.sys_path), "fast_exit": self.fast_exit}
-        return pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
+    def write(self, path: Path) -> None:
+        """Write the payload file (0600): a small pickled header, then the call's bytes as they are.
+
+        The call is not pickled a second time, so a large argument is not copied again here or
+        in the worker that reads it.
+        """
+        header = {"sys_path": list(self.sys_path), "fast_exit": self.fast_exit, "call_size": len(self.call)}
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(header, f, protocol=pickle.HIGHEST_PROTOCOL)
+            f.write(self.call)
 
     @classmethod
-    def loads(cls, data: bytes) -> Payload:
-        """Read a payload file's bytes."""
-        raw: dict[str, Any] = pickle.loads(data)
-        return cls(raw["call"], tuple(raw.get("sys_path", ())), bool(raw.get("fast_exit", True)))
+    def read(cls, path: Path) -> Payload:
+        """Read a payload file written by :meth:`write`."""
+        with open(path, "rb") as f:
+            header: dict[str, Any] = pickle.load(f)
+            call = f.read()
+        if len(call) != header["call_size"]:
+            raise ValueError(f"the payload file {path} is cut short ({len(call)} of {header['call_size']} bytes)")
+        return cls(call, tuple(header["sys_path"]), bool(header["fast_exit"]))
 
 
 @dataclass(frozen=True)

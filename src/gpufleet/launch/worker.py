@@ -1,4 +1,4 @@
-"""The one worker entry point: every launcher runs each rank through :func:`run_rank`.
+"""The one worker entry point: every launcher runs each rank through :func:`main`.
 
 Run as ``python -m gpufleet.launch.worker RUN_DIR RANK`` by the local launcher. It loads the
 cloudpickled call from the run directory, runs it, and writes the rank's outcome file
@@ -67,21 +67,40 @@ def _destroy_process_group() -> None:
         pass
 
 
-def run_rank(call_bytes: bytes, rank: int, outcome_path: Path) -> bool:
-    """Run the pickled call as ``rank`` and write its outcome. Returns True on success."""
+def _write(outcome_path: Path, status: str, rank: int, **fields: Any) -> bool:
+    """Write the rank's outcome; on failure (a full disk) say so on stderr, where the caller's error shows it."""
+    try:
+        write_outcome(outcome_path, status, rank, **fields)
+        return True
+    except OSError as e:
+        print(
+            f"gpufleet: rank {rank} could not write its outcome to {outcome_path.parent}: {e}",
+            file=sys.stderr, flush=True,
+        )
+        return False
+
+
+def load_call(call_bytes: bytes, rank: int, outcome_path: Path) -> tuple[Any, tuple[Any, ...], dict[str, Any]] | None:
+    """Unpickle ``(func, args, kwargs)``; None (with an error outcome written) when that fails."""
     import cloudpickle
 
     try:
-        func, args, kwargs = cloudpickle.loads(call_bytes)
+        return cloudpickle.loads(call_bytes)
     except BaseException as exc:  # noqa: BLE001 - reported to the caller
         info = _describe_exception(exc)
         info["message"] = f"the function could not be loaded in the worker: {info['message']}"
-        write_outcome(outcome_path, ERROR, rank, **info)
-        return False
+        _write(outcome_path, ERROR, rank, **info)
+        return None
+
+
+def run_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rank: int, outcome_path: Path) -> bool:
+    """Run the call as ``rank`` and write its outcome. Returns True on success."""
+    import cloudpickle
+
     try:
         value = func(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - SystemExit too: the caller must hear of it
-        write_outcome(outcome_path, ERROR, rank, **_describe_exception(exc))
+        _write(outcome_path, ERROR, rank, **_describe_exception(exc))
         _destroy_process_group()
         return False
     try:
@@ -94,13 +113,14 @@ def run_rank(call_bytes: bytes, rank: int, outcome_path: Path) -> bool:
             f"cannot be pickled, so it cannot be sent back: {exc}. Return plain data (numbers, "
             "lists, dicts, tensors, numpy arrays) instead, or save it to a file and return the path."
         )
-        write_outcome(outcome_path, ERROR, rank, **_describe_exception(err))
+        _write(outcome_path, ERROR, rank, **_describe_exception(err))
         _destroy_process_group()
         return False
-    write_outcome(outcome_path, OK, rank, value=value_bytes)
+    del value
+    ok = _write(outcome_path, OK, rank, value=value_bytes)
     _last_barrier()
     _destroy_process_group()
-    return True
+    return ok
 
 
 def _last_barrier(timeout_s: float = 60.0) -> None:
@@ -134,13 +154,16 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.enable()  # a segfault prints the Python stack into the rank's log
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stack dump on hang diagnosis
 
-    payload = Payload.loads(run_dir.payload.read_bytes())
+    payload = Payload.read(run_dir.payload)
     for entry in payload.sys_path:
         if entry not in sys.path:
             sys.path.append(entry)
-    ok = run_rank(payload.call, rank, run_dir.outcome(rank))
+    fast = payload.fast_exit
+    call = load_call(payload.call, rank, run_dir.outcome(rank))
+    del payload  # the call's bytes go: a large argument is held once, as the object it is
+    ok = call is not None and run_call(*call, rank, run_dir.outcome(rank))
     code = 0 if ok else 1
-    if payload.fast_exit:
+    if fast:
         fast_exit(code)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -439,6 +439,10 @@ def _open_run(
 
     active = mlflow.active_run()
     uri, in_default_store = _resolve_uri(mlflow, active is not None)
+    if in_default_store:
+        from .store import ensure_default_store
+
+        ensure_default_store(Path(uri.removeprefix("sqlite:///")), default_artifact_root())
     client = MlflowClient(tracking_uri=uri)
 
     parent_id: str | None = None
