@@ -2,12 +2,17 @@
 
 Each command group lives in its own module and registers its subcommands here through an
 ``add_parsers(subparsers)`` function; this file only wires them together.
+
+A state folder or run store that cannot be used (another user's, writable by others, a file,
+read-only, a damaged ``runs.db``, a store locked for too long) ends any command with one line
+``error: ...`` on stderr and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from collections.abc import Sequence
 
@@ -16,6 +21,7 @@ _COMMAND_MODULES = {
     "gpufleet.workload.commands": ("run", "get", "list", "logs", "cancel", "validate", "schema"),
     "gpufleet.strategies.advisor_cli": ("advise",),
     "gpufleet.doctor": ("doctor",),
+    "gpufleet.stacks": ("stacks",),
 }
 
 
@@ -56,6 +62,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not _unusable_state(e):
+            raise
+        message = " ".join(str(e).split())  # one line
+        if getattr(args, "output", None) == "json":
+            sys.stdout.write(json.dumps({"error": message}) + "\n")
+            sys.stdout.flush()
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+
+
+def _unusable_state(e: BaseException) -> bool:
+    """Whether ``e`` says the state folder or the run store cannot be used (the user fixes that, not the code)."""
+    from .private import UnsafeStateError
+
+    if isinstance(e, UnsafeStateError):
+        return True
+    try:
+        from .workload.store import StoreError
+    except ImportError:
+        return False
+    return isinstance(e, StoreError)
 
 
 if __name__ == "__main__":

@@ -68,13 +68,14 @@ def test_pid_reuse_is_not_mistaken_for_a_live_supervisor(store: RunStore) -> Non
 
 
 def test_get_accepts_a_unique_prefix_and_names_missing_runs(store: RunStore, capsys: pytest.CaptureFixture[str]) -> None:
-    _record(store, "abc-1", state="SUCCESS")
-    _record(store, "abd-2", state="SUCCESS")
-    assert store.get("abc").id == "abc-1"
-    rc, out, err = cli(capsys, "get", "ab")
-    assert rc == 1 and "is ambiguous" in err
-    rc, out, err = cli(capsys, "get", "zzz")
-    assert rc == 1 and "'zzz' does not exist" in err and "gpufleet list --all-status" in err
+    _record(store, "abcdef-1", state="SUCCESS")
+    _record(store, "abcdef-2", state="SUCCESS")
+    _record(store, "abcxyz-3", state="SUCCESS")
+    assert store.get("abcxyz").id == "abcxyz-3"
+    rc, out, err = cli(capsys, "get", "abcdef")
+    assert rc == 2 and "is ambiguous" in err  # test_run_ids.py has the other rules
+    rc, out, err = cli(capsys, "get", "zzzzzz")
+    assert rc == 1 and "'zzzzzz' does not exist" in err and "gpufleet list --all-status" in err
     rc, out, err = cli(capsys, "list", "--filter", "colour=red")
     assert rc == 2 and "cannot filter on 'colour'" in err
     rc, out, err = cli(capsys, "list", "--filter", "state=DONE")

@@ -1,7 +1,10 @@
 """CLI commands for workloads: run, get, list, logs, cancel, validate, schema.
 
-Exit codes: 0 success; 1 a failed run or an error; 2 an invalid workload or bad arguments;
-124 a run that timed out; 130 a canceled run (``run --watch`` exits with its run's outcome).
+Exit codes: 0 success; 1 a failed run or an error; 2 an invalid workload or bad arguments
+(a run id that is empty, a prefix shorter than 6 characters or an ambiguous one), or a state
+folder or run store that cannot be used (someone else's, read-only, damaged, locked for too
+long); 124 a run that timed out; 130 a canceled run (``run --watch`` exits with its run's
+outcome).
 
 One concern, the workload CLI's surface: arguments, text and JSON output, exit codes. The
 work itself is elsewhere (``submit``, ``liveness``, ``view``, ``schema``); the module is long
@@ -59,7 +62,7 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     p.set_defaults(handler=cmd_run)
 
     p = subparsers.add_parser("get", help="show one run")
-    p.add_argument("run_id", help="run id (or a unique prefix)")
+    p.add_argument("run_id", help="run id (or a unique prefix of at least 6 characters)")
     _common(p)
     p.set_defaults(handler=cmd_get)
 
@@ -77,7 +80,7 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     p.set_defaults(handler=cmd_list)
 
     p = subparsers.add_parser("logs", help="print (or follow) a run's per-node logs")
-    p.add_argument("run_id")
+    p.add_argument("run_id", help="run id (or a unique prefix of at least 6 characters)")
     p.add_argument("--node", type=int, default=None, help="only this node rank")
     p.add_argument("--attempt", type=int, default=None, help="only this attempt (default: all)")
     p.add_argument("--lines", type=int, default=None, help="only the last N lines of each log")
@@ -87,7 +90,7 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     p.set_defaults(handler=cmd_logs)
 
     p = subparsers.add_parser("cancel", help="cancel runs (stops every process of each run)")
-    p.add_argument("run_ids", nargs="*", metavar="RUN_ID")
+    p.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="run ids (or unique prefixes of at least 6 characters)")
     p.add_argument("--all", action="store_true", help="cancel every PENDING or RUNNING run")
     p.add_argument("--no-wait", action="store_true", help="ask for the cancel and return at once")
     p.add_argument("--wait-timeout", type=float, default=60.0, help="seconds to wait for the runs to stop (default 60)")
@@ -122,9 +125,17 @@ def _err(msg: str) -> None:
 
 
 def _store(args: argparse.Namespace) -> Any:
+    """The run store; a wait for a lock of another process is announced on stderr."""
     from .store import RunStore
 
-    return RunStore(args.home)
+    return RunStore(args.home, on_busy=lambda message: _err(f"gpufleet: {message}"))
+
+
+def _not_found(e: Exception, args: argparse.Namespace) -> int:
+    """A run id that names no run: exit 1; one that cannot name a run (empty, short, ambiguous): 2."""
+    from .store import RunIdError
+
+    return _error(str(e), args, EXIT_INVALID if isinstance(e, RunIdError) else 1)
 
 
 def _invalid(e: Any, args: argparse.Namespace) -> int:
@@ -148,9 +159,11 @@ def _error(msg: str, args: argparse.Namespace, code: int = 1) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """``gpufleet run -f``: dry run, or submit (and optionally watch) a workload."""
     from ..errors import GpufleetError
+    from ..private import UnsafeStateError
     from .nodes import ExecutorUnavailableError
     from .schema import WorkloadValidationError
     from .snapshot import SnapshotError
+    from .store import StoreError
     from .submit import plan, submit
 
     try:
@@ -166,6 +179,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     except WorkloadValidationError as e:
         return _invalid(e, args)
+    except (UnsafeStateError, StoreError) as e:
+        return _error(str(e), args, EXIT_INVALID)
     except (ExecutorUnavailableError, GpufleetError, SnapshotError, OSError) as e:
         return _error(str(e), args)
     if not created:
@@ -232,7 +247,7 @@ def cmd_get(args: argparse.Namespace) -> int:
     try:
         run = get_run(_store(args), args.run_id)
     except RunNotFoundError as e:
-        return _error(str(e), args)
+        return _not_found(e, args)
     if args.output == "json":
         _print_json(run.to_dict())
     else:
@@ -292,7 +307,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     try:
         run = get_run(store, args.run_id)
     except RunNotFoundError as e:
-        return _error(str(e), args)
+        return _not_found(e, args)
     if args.node is not None and not 0 <= args.node < run.command_nodes:
         if run.command_nodes == 1 < run.num_nodes:
             return _error(f"--node {args.node}: run {run.id} is a Ray driver run; its command ran once, as "
@@ -355,7 +370,7 @@ def _follow(store: Any, run: Any, args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """``gpufleet cancel RUN_ID... | --all``."""
-    from .liveness import get_run, kill_run_processes, list_runs, pid_alive
+    from .liveness import get_run, kill_run_processes, list_runs
     from .store import ACTIVE_STATES, PENDING, RunNotFoundError
 
     if bool(args.run_ids) == bool(args.all):
@@ -365,23 +380,21 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         runs = list_runs(store, states=ACTIVE_STATES, limit=None)
     else:
         runs = []
-        for rid in args.run_ids:
+        for rid in args.run_ids:  # every id is resolved before anything is canceled
             try:
                 runs.append(get_run(store, rid))
             except RunNotFoundError as e:
-                return _error(str(e), args)
+                return _not_found(e, args)
     results: dict[str, dict[str, Any]] = {}
     waiting = []
     for run in runs:
         if not run.is_active:
             results[run.id] = {"id": run.id, "state": run.state, "canceled": False, "note": f"already {run.state}"}
             continue
-        store.request_cancel(run.id)
-        if run.supervisor_pid and pid_alive(run.supervisor_pid, run.supervisor_started):
-            try:
-                os.kill(run.supervisor_pid, signal.SIGTERM)  # wakes it at once
-            except (ProcessLookupError, PermissionError):
-                pass
+        signaled = _signal_supervisor(run)  # a RUNNING run stops at once, even while the store is busy
+        store.request_cancel(run.id)  # a PENDING run's supervisor reads it as it starts
+        if not signaled:
+            _signal_supervisor(store.get(run.id))  # it may have started meanwhile
         waiting.append(run.id)
     deadline = time.monotonic() + (0 if args.no_wait else args.wait_timeout)
     while waiting:
@@ -411,6 +424,24 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         for r in ordered:
             print(f"{r['id']}\t{r['state']}" + (f"\t({r['note']})" if r.get("note") else ""))
     return 0 if all(RunState(r["state"]).terminal for r in ordered) or args.no_wait else 1
+
+
+def _signal_supervisor(run: Any) -> bool:
+    """SIGTERM the supervisor of a RUNNING run (its handler is in place before it is RUNNING).
+
+    The supervisor of a PENDING run may still be starting, and a SIGTERM then would kill it
+    instead of canceling the run; it reads the stored cancel request as it starts.
+    """
+    from .liveness import pid_alive
+    from .store import RUNNING
+
+    if run.state != RUNNING or not run.supervisor_pid or not pid_alive(run.supervisor_pid, run.supervisor_started):
+        return False
+    try:
+        os.kill(run.supervisor_pid, signal.SIGTERM)  # wakes it at once
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 # ------------------------------------------------------------------ validate / schema

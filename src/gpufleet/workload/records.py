@@ -1,12 +1,74 @@
-"""The records of the run store: one workload run and its attempts, as stored and printed."""
+"""The records of the run store: one workload run and its attempts, as stored and printed.
+
+Two small files in a run's folder stand beside its record, written by its supervisor where no
+lock of the store can stop it: ``outcome.json``, how the run ended (written atomically before
+the store learns it, so a busy store never changes an outcome), and ``supervisor.alive``,
+touched at every heartbeat (so a supervisor waiting on a busy store is not taken for a hung one).
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..states import RunState
+
+#: How the run ended, as its supervisor saw it: ``{"state", "exit_code", "message", "ended_at"}``.
+OUTCOME_FILE = "outcome.json"
+#: Touched by the supervisor at every heartbeat.
+ALIVE_FILE = "supervisor.alive"
+
+
+def write_run_outcome(
+    run_dir: str | os.PathLike[str], state: str, exit_code: int | None, message: str | None
+) -> dict[str, Any]:
+    """Write a run's outcome file atomically (it holds all of it or does not exist); returns what it holds."""
+    from ..results import write_atomic
+
+    outcome = {"state": str(RunState(state)), "exit_code": exit_code, "message": message, "ended_at": time.time()}
+    write_atomic(Path(run_dir) / OUTCOME_FILE, json.dumps(outcome).encode())
+    return outcome
+
+
+def read_run_outcome(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """A run's outcome file, or None when there is none (or it is not one)."""
+    try:
+        outcome = json.loads((Path(run_dir) / OUTCOME_FILE).read_bytes())
+        state = RunState(outcome["state"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not state.terminal:
+        return None
+    code = outcome.get("exit_code")
+    ended = outcome.get("ended_at")
+    message = outcome.get("message")
+    return {
+        "state": state,
+        "exit_code": code if isinstance(code, int) and not isinstance(code, bool) else None,
+        "message": message if isinstance(message, str) else None,
+        "ended_at": float(ended) if isinstance(ended, (int, float)) else time.time(),
+    }
+
+
+def touch_alive(run_dir: str | os.PathLike[str]) -> None:
+    """Mark the supervisor alive now (its alive file's modification time)."""
+    path = Path(run_dir) / ALIVE_FILE
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        path.touch(mode=0o600)
+
+
+def alive_at(run_dir: str | os.PathLike[str]) -> float | None:
+    """When the supervisor last marked itself alive (None: never, or no such folder)."""
+    try:
+        return (Path(run_dir) / ALIVE_FILE).stat().st_mtime
+    except OSError:
+        return None
 
 
 @dataclass

@@ -7,23 +7,34 @@ detached by ``gpufleet run``. It builds the run's environment, then a
 the timeout restarting per attempt, retries of failed and timed-out attempts, and cancel
 requests (``gpufleet cancel``, SIGTERM) stopping every node. The run store and MLflow learn
 about each attempt through the controller's callbacks (:mod:`gpufleet.workload.attempts`).
+
+The supervisor's files are private (umask 077). Its SIGTERM handler is in place before it
+marks the run RUNNING, and ``gpufleet cancel`` signals only RUNNING runs: a run canceled
+before that only has the request stored, which the supervisor reads as it starts. A busy
+store never changes the outcome: the supervisor writes it to ``outcome.json`` in the run
+folder first, then keeps trying the store for :data:`FINISH_WAIT_S` (each write waits
+``GPUFLEET_SUPERVISOR_STORE_WAIT_S``, 600 s by default), and the CLI reads the outcome file of
+a run still RUNNING in the store.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import IO, Any
 
 from ..launch.controller import Controller, ControllerCallback
 from ..launch.spec import LaunchSpec
+from ..private import UnsafeStateError, private_dir, private_file_opener
 from ..results import RunDir
 from ..states import CANCELED, FAILED, TIMEDOUT, RunState
 from .attempts import AttemptRecorder, WorkloadTracking
@@ -42,12 +53,18 @@ from .nodes import (  # noqa: F401 - re-exported: the names this module had befo
     create_executor,
     needs_cluster,
 )
+from .records import touch_alive, write_run_outcome
 from .schema import WorkloadConfig
-from .store import HEARTBEAT_S, RunStore
+from .store import HEARTBEAT_S, RunStore, StoreError, store_wait_s
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.1
+#: Seconds the supervisor waits for a locked run store in one write (``GPUFLEET_SUPERVISOR_STORE_WAIT_S``).
+STORE_WAIT_S = 600.0
+STORE_WAIT_ENV = "GPUFLEET_SUPERVISOR_STORE_WAIT_S"
+#: Seconds the supervisor keeps trying to record a run's outcome in the store (at least).
+FINISH_WAIT_S = 600.0
 #: Environment variables a node never inherits from the submitting shell.
 _DROPPED_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "MLFLOW_RUN_ID", "GPUFLEET_PARENT_PID")
 
@@ -56,14 +73,19 @@ class Supervisor:
     """Runs every attempt of one stored run and records what happens."""
 
     def __init__(self, run_id: str, home: str | None) -> None:
-        self.store = RunStore(home)
+        self.log: IO[str] = sys.stderr
+        self.store_wait_s = store_wait_s(STORE_WAIT_S, STORE_WAIT_ENV)
+        self.store = RunStore(home, wait_s=self.store_wait_s, on_busy=self._on_busy)
         self.run = self.store.get(run_id)
         self.config = WorkloadConfig.model_validate(self.run.config)
         self.run_dir = Path(self.run.run_dir)
         self.cancel_event = threading.Event()
         self.cancel_reason = "canceled by the user"
         self._stop_heartbeat = threading.Event()
-        self.log: IO[str] = sys.stderr
+
+    def _on_busy(self, message: str) -> None:
+        self.log.write(f"gpufleet: {message}\n")
+        self.log.flush()
 
     # -- signals and heartbeat
 
@@ -74,25 +96,35 @@ class Supervisor:
         self.cancel_event.set()
 
     def _heartbeat_loop(self) -> None:
+        store = self.store.with_wait(HEARTBEAT_S)  # a beat that waited longer would come late
+        store.on_busy = None
         while not self._stop_heartbeat.wait(HEARTBEAT_S):
             try:
-                _, cancel = self.store.heartbeat(self.run.id)
+                touch_alive(self.run_dir)  # what liveness sees while the store is busy
+            except OSError as e:
+                self.log.write(f"gpufleet: could not touch the alive file: {e}\n")
+            try:
+                _, cancel = store.heartbeat(self.run.id)
                 if cancel:
                     self.cancel_event.set()
             except Exception as e:  # a locked database must not kill the run
                 self.log.write(f"gpufleet: heartbeat failed: {e}\n")
+            self.log.flush()
 
     # -- the run
 
     def main(self) -> int:
         """Supervise the run to its end; returns 0 (the outcome is in the store)."""
+        # before the run is RUNNING: `gpufleet cancel` signals only RUNNING runs
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         pid = os.getpid()
+        with contextlib.suppress(OSError):
+            touch_alive(self.run_dir)
         if not self.store.mark_running(self.run.id, pid, process_start_time(pid)):
             return 0  # canceled (or marked failed) before it started
         if self.store.heartbeat(self.run.id)[1]:
-            self.cancel_event.set()  # canceled while it was starting
+            self.cancel_event.set()  # canceled before it started: the request waited in the store
         beat = threading.Thread(target=self._heartbeat_loop, daemon=True)
         beat.start()
         try:
@@ -102,10 +134,34 @@ class Supervisor:
             state, code, message = FAILED, None, f"run failed: {e}"
         finally:
             self._stop_heartbeat.set()
-        self.store.finish_run(self.run.id, state, exit_code=code, message=message)
+        self.finish(state, code, message)
+        return 0
+
+    def finish(self, state: RunState, code: int | None, message: str | None) -> None:
+        """Record the outcome: in the run folder first (no lock can stop that), then in the store.
+
+        The store is retried for :data:`FINISH_WAIT_S` (or ``store_wait_s`` if longer); a CLI
+        read records the outcome file in the store if the supervisor could not.
+        """
+        try:
+            write_run_outcome(self.run_dir, state, code, message)
+        except OSError as e:
+            self.log.write(f"gpufleet: could not write the outcome file: {e}\n")
+        deadline = time.monotonic() + max(self.store_wait_s, FINISH_WAIT_S)
+        while True:
+            try:
+                self.store.finish_run(self.run.id, state, exit_code=code, message=message)
+                break
+            except StoreError as e:
+                if time.monotonic() >= deadline:
+                    self.log.write(f"gpufleet: could not record the outcome in the run store ({e}); it is in "
+                                   f"{self.run_dir / 'outcome.json'}, which the next CLI read records\n")  # fmt: skip
+                    break
+                self.log.write(f"gpufleet: could not record the outcome in the run store yet ({e}); retrying\n")
+                self.log.flush()
+                time.sleep(1.0)
         self.log.write(f"gpufleet: run {self.run.id} finished: {state}\n")
         self.log.flush()
-        return 0
 
     def _prepare_bin_dir(self) -> str:
         deps = self.config.environment.dependencies
@@ -113,12 +169,20 @@ class Supervisor:
             return os.path.dirname(sys.executable)
         from .envs import ensure_environment
 
-        with open(self.run_dir / "environment.log", "a") as log:
-            return str(ensure_environment(deps, self.store.home / "envs", log, cancel=self.cancel_event))
+        envs_dir = private_dir(self.store.home / "envs", "the environments folder")
+        with open(self.run_dir / "environment.log", "a", opener=private_file_opener) as log:
+            return str(ensure_environment(deps, envs_dir, log, cancel=self.cancel_event))
 
     def _run_attempts(self) -> tuple[RunState, int | None, str | None]:
         from .envs import EnvironmentSetupCanceled
 
+        if self.cancel_event.is_set():
+            return CANCELED, None, self.cancel_reason + " before it started"
+        try:  # the folders it runs code from are checked before anything runs
+            private_dir(self.run_dir, "the run folder")
+            private_dir(self.run_dir / "code", "the run's code snapshot")
+        except UnsafeStateError as e:
+            return FAILED, None, f"run failed: {e}"
         try:
             bin_dir = self._prepare_bin_dir()
         except EnvironmentSetupCanceled:
@@ -157,6 +221,10 @@ class Supervisor:
         finally:
             executor.close()
         end = recorder.ends[controller.attempt]
+        if controller.canceled and end.state in (FAILED, TIMEDOUT) and controller.attempt < self.run.max_attempts:
+            # canceled as a failed attempt ended: the cancel, not the failure, ended the run
+            what = f"attempt {controller.attempt} ended {end.state}" + (f": {end.message}" if end.message else "")
+            return CANCELED, None, f"{self.cancel_reason} before attempt {controller.attempt + 1} ({what})"
         return end.state, end.exit_code, end.message
 
     def _forward_cancel(self, controller: Controller) -> None:
@@ -201,7 +269,7 @@ class Supervisor:
 
 def start_supervisor(run_id: str, home: Path, run_dir: Path) -> subprocess.Popen[bytes]:
     """Start the detached supervisor of a run; it outlives the calling process."""
-    log = open(run_dir / "supervisor.log", "ab")  # noqa: SIM115 - the child holds it
+    log = open(run_dir / "supervisor.log", "ab", opener=private_file_opener)  # noqa: SIM115 - the child holds it
     env = dict(os.environ)
     env["GPUFLEET_RUN_ID"] = run_id
     try:
@@ -220,6 +288,7 @@ def start_supervisor(run_id: str, home: Path, run_dir: Path) -> subprocess.Popen
 
 def main(argv: list[str] | None = None) -> int:
     """Entry of the supervisor process."""
+    os.umask(0o077)  # everything the supervisor and the run's commands create is the user's alone
     parser = argparse.ArgumentParser(prog="python -m gpufleet.workload.runner")
     parser.add_argument("run_id")
     parser.add_argument("--home", default=None)

@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from ..private import private_dir, private_file_opener
 from ..results import new_run_id
 from .liveness import list_runs, process_start_time
 from .schema import Problem, WorkloadConfig, WorkloadValidationError, load_workload
@@ -134,8 +135,9 @@ def submit(
         resolved = config.model_copy(
             update={"code_source": config.code_source.model_copy(update={"root_path": str(root)})}
         )
+    runs_dir = private_dir(store.runs_dir, "the workload runs folder")  # before anything is stored
     run_id = new_run_id(config.experiment_name)
-    run_dir = store.runs_dir / run_id
+    run_dir = runs_dir / run_id
     record = RunRecord(
         id=run_id,
         experiment=config.experiment_name,
@@ -154,18 +156,12 @@ def submit(
     if not created:
         return run, False
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        code_dir = run_dir / "code"
+        private_dir(run_dir, "the run folder")
+        code_dir = private_dir(run_dir / "code", "the run's code snapshot")
         if root is not None and config.code_source is not None:
             snapshot(root, code_dir, config.code_source.include_paths)
-        else:
-            code_dir.mkdir(exist_ok=True)
-        (run_dir / "hyperparameters.yaml").write_text(
-            yaml.safe_dump(config.parameters, sort_keys=False, allow_unicode=True)
-        )
-        (run_dir / "workload.yaml").write_text(
-            yaml.safe_dump(resolved.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
-        )
+        _write_private(run_dir / "hyperparameters.yaml", config.parameters)
+        _write_private(run_dir / "workload.yaml", resolved.model_dump(mode="json"))
         proc = start_supervisor(run_id, store.home, run_dir)
     except Exception as e:
         store.finish_run(run_id, FAILED, message=f"could not start the run: {e}")
@@ -176,6 +172,12 @@ def submit(
         started = None
     store.update_run(run_id, supervisor_pid=proc.pid, supervisor_started=started)
     return store.get(run_id), True
+
+
+def _write_private(path: Path, document: Any) -> None:
+    """Write ``document`` as YAML to a new 0600 file."""
+    with open(path, "w", encoding="utf-8", opener=private_file_opener) as f:
+        f.write(yaml.safe_dump(document, sort_keys=False, allow_unicode=True))
 
 
 def _now() -> float:
