@@ -121,6 +121,10 @@ class RunHandle:
         """What rank ``rank`` printed so far (stdout and stderr), from its log file."""
         return self._group.logs(rank)
 
+    def stacks(self) -> dict[int, str]:
+        """Every running rank's current stack (all threads), by rank; needs the hang watchdog on (the default)."""
+        return self._group.stacks()
+
     def __repr__(self) -> str:
         return f"RunHandle(run_id={self.run_id!r}, status={self.status!r})"
 
@@ -193,8 +197,10 @@ class DistributedFunction:
 
     def _controller(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Controller:
         """The controller of one call: its launch spec, its worker group and its tracking."""
+        from .faults import faults_env
         from .launch.controller import Controller
         from .launch.logstream import LogConfig
+        from .launch.progress import watchdog_env
         from .launch.spec import LaunchSpec, Payload
         from .results import RunDir, new_run_id
 
@@ -208,6 +214,7 @@ class DistributedFunction:
                     "remote=True needs a Ray cluster address in RAY_ADDRESS; or pass remote='ray://host:10001'"
                 )
         payload = Payload(self._pickle_call(args, kwargs), tuple(p for p in sys.path if p), opts.fast_exit)
+        env = {**watchdog_env(opts.hang_timeout), **opts.env}
         name = opts.name or getattr(self.func, "__name__", "run")
         logs = LogConfig(enabled=opts.stream_logs, full_ranks=opts.log_ranks, stderr=opts.stream_stderr)
         make_group: Callable[[int], WorkerGroup]
@@ -217,7 +224,8 @@ class DistributedFunction:
             ray_placement = RayPlacement(str(remote), opts.gpus, opts.gpu_type, dict(opts.ray_init_kwargs))
 
             def make_group(attempt: int) -> WorkerGroup:
-                spec = LaunchSpec(new_run_id(name), 0, attempt=attempt, env=dict(opts.env), payload=payload)
+                attempt_env = {**faults_env(opts.faults, attempt + 1), **env}
+                spec = LaunchSpec(new_run_id(name), 0, attempt=attempt, env=attempt_env, payload=payload)
                 return RayWorkerGroup(spec, RunDir.create(opts.runs_dir, spec.run_id), ray_placement, logs)
         else:
             from .launch.gpus import resolve_local
@@ -229,7 +237,7 @@ class DistributedFunction:
             def make_group(attempt: int) -> WorkerGroup:
                 spec = LaunchSpec(
                     new_run_id(name), found.num_workers, use_gpus=found.use_gpus, attempt=attempt,
-                    env=dict(opts.env), payload=payload,
+                    env={**faults_env(opts.faults, attempt + 1), **env}, payload=payload,
                 )
                 return LocalWorkerGroup(
                     spec, RunDir.create(opts.runs_dir, spec.run_id), placement, logs, opts.grace_period_s
@@ -252,7 +260,7 @@ class DistributedFunction:
             )
         return Controller(
             make_group, timeout_s=opts.timeout, grace_period_s=opts.grace_period_s,
-            max_retries=opts.max_retries, callbacks=callbacks,
+            max_retries=opts.max_retries, callbacks=callbacks, hang_timeout_s=opts.hang_timeout,
         )
 
     def distributed(self, *args: Any, **kwargs: Any) -> list[Any]:
@@ -308,7 +316,10 @@ def distributed(
             ``stream_logs``, ``stream_stderr``, ``env`` (extra environment for every rank),
             ``runs_dir``, ``grace_period_s``, ``max_retries``, ``name``, ``ray_init_kwargs``,
             ``tracking`` (one MLflow run per call/attempt, default True; also off with
-            ``GPUFLEET_TRACKING=0``), ``experiment_name`` (the MLflow experiment).
+            ``GPUFLEET_TRACKING=0``), ``experiment_name`` (the MLflow experiment),
+            ``hang_timeout`` (seconds without progress before the hang watchdog stops the call
+            with a diagnosis, default 600; None: off), ``faults`` (faults to inject on purpose,
+            e.g. ``["kill:rank=1:step=30"]``; see :mod:`gpufleet.faults`).
 
     Works bare (``@distributed``) and with arguments (``@distributed(gpus=2)``).
     """

@@ -45,6 +45,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from . import runtime
+from .launch.progress import note_batch
 from .results import gpufleet_home
 
 logger = logging.getLogger(__name__)
@@ -301,6 +302,7 @@ class _TimedIterator:
         batch = next(self._it)  # StopIteration ends the epoch and is not counted
         end = time.perf_counter()
         self._loader._record(start, end)
+        note_batch()  # a step for the hang watchdog and for faults given step=N
         return batch
 
     def __getattr__(self, name: str) -> Any:

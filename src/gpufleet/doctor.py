@@ -113,8 +113,9 @@ def _rendezvous_line(info: dict[str, Any]) -> tuple[str, str]:
     if address is None:
         return WARN, f"rendezvous: could not check where torch's TCPStore listens ({info['error']}); it usually listens on all interfaces, {advice}"
     where = f"all interfaces ({address})" if address in ("::", "0.0.0.0") else address
-    return WARN, (f"rendezvous: torch's TCPStore (rank 0 of a one-machine run) listens on {where}, "
-                  f"not only on MASTER_ADDR=127.0.0.1, {advice}")  # fmt: skip
+    return WARN, (f"rendezvous: one-machine @distributed calls keep their store on 127.0.0.1, but torch's own "
+                  f"TCPStore (a workload's torchrun, multi-node runs) listens on {where}, not only on "
+                  f"MASTER_ADDR=127.0.0.1, {advice}")  # fmt: skip
 
 
 def collect() -> dict[str, Any]:

@@ -16,6 +16,7 @@ __all__ = [
     "WorkerSignalError",
     "WorkerExitError",
     "DistributedTimeoutError",
+    "DistributedHangError",
     "RunCanceledError",
     "SchedulingTimeoutError",
 ]
@@ -58,6 +59,7 @@ SIGNAL = "signal"  # the process was killed by a signal (OOM killer, segfault, k
 EXIT = "exit"  # the process exited with a non-zero code without an outcome
 NO_RESULT = "no_result"  # the process exited 0 but wrote no outcome (os._exit in user code)
 STOPPED = "stopped"  # gpufleet stopped the rank because of another rank, a timeout or cancel
+HUNG = "hung"  # the hang watchdog found the rank missing from (or mismatched in) a collective
 
 
 @dataclass
@@ -182,6 +184,11 @@ class WorkerExitError(WorkerGroupError):
 
 class DistributedTimeoutError(WorkerGroupError, TimeoutError):
     """The call ran past its timeout; every rank was stopped."""
+
+
+class DistributedHangError(DistributedTimeoutError):
+    """No rank made progress for ``hang_timeout`` seconds; the error names the rank missing from
+    the collective the others wait in (or the mismatched collectives) and where each rank was."""
 
 
 class RunCanceledError(WorkerGroupError):

@@ -31,6 +31,8 @@ class LaunchOptions:
     ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
     tracking: bool = True
     experiment_name: str | None = None
+    hang_timeout: float | None = 600.0
+    faults: tuple[Any, ...] = ()
 
     def check(self) -> None:
         """Reject wrong settings with a message that says what is allowed."""
@@ -65,6 +67,17 @@ class LaunchOptions:
             raise LaunchConfigError(
                 f"experiment_name must be a non-empty string (an MLflow experiment) or None, got {self.experiment_name!r}"
             )
+        if self.hang_timeout is not None and (
+            isinstance(self.hang_timeout, bool) or not isinstance(self.hang_timeout, (int, float))
+            or not math.isfinite(self.hang_timeout) or self.hang_timeout <= 0
+        ):
+            raise LaunchConfigError(
+                f"hang_timeout must be a positive number of seconds without progress, or None to turn the hang "
+                f"watchdog off; got {self.hang_timeout!r}"
+            )
+        from .faults import parse_faults
+
+        parse_faults(self.faults)  # a fault that could never fire is refused now, not in the ranks
         if not isinstance(self.remote, (bool, str)):
             raise LaunchConfigError(f"remote must be False, True or a Ray address string, got {self.remote!r}")
 
@@ -86,6 +99,10 @@ def make_options(base: LaunchOptions | None = None, **settings: Any) -> LaunchOp
     if "log_ranks" in settings and settings["log_ranks"] != "all":
         value = settings["log_ranks"]
         settings["log_ranks"] = tuple(value) if isinstance(value, (list, tuple, set, range)) else value
+    if "faults" in settings:
+        from .faults import parse_faults
+
+        settings["faults"] = parse_faults(settings["faults"])
     opts = replace(base, **settings) if base is not None else LaunchOptions(**settings)
     opts.check()
     return opts

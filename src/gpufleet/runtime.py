@@ -24,6 +24,7 @@ __all__ = [
     "setup",
     "barrier",
     "device",
+    "report_step",
 ]
 
 
@@ -152,3 +153,15 @@ def barrier() -> None:
         dist.barrier(device_ids=[torch.cuda.current_device()])
     else:
         dist.barrier()
+
+
+def report_step(step: int | None = None) -> None:
+    """Tell gpufleet this rank made a step (the next one, or ``step``).
+
+    gpufleet counts steps itself in its data loader and ``prepare()``'s optimizer step; a loop
+    that uses neither reports them here, so the hang watchdog sees progress in loops without
+    collectives and faults given ``step=N`` fire. Cheap, and a no-op outside a launched rank.
+    """
+    from .launch.progress import note_reported_step
+
+    note_reported_step(step)

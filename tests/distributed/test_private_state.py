@@ -83,3 +83,21 @@ def test_a_full_disk_is_named_in_the_error_with_the_folder(tmp_path):
     text = str(info.value)
     assert "out of disk space" in text and "No space left on device" in text
     assert str(tmp_path) in text  # the folder that is full
+
+
+def _listening_addresses() -> list[str]:
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    from gpufleet import runtime
+
+    runtime.setup()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return sorted({c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN})
+
+
+def test_a_one_machine_run_listens_on_loopback_only():
+    # torch's own rank 0 store (and gloo) would listen on every interface, unauthenticated
+    assert distributed(_listening_addresses, **CPU).distributed() == [["127.0.0.1"], ["127.0.0.1"]]

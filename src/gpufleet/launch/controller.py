@@ -19,7 +19,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import DistributedTimeoutError, RunCanceledError, WorkerGroupError
+from ..errors import (
+    HUNG,
+    DistributedHangError,
+    DistributedTimeoutError,
+    RankFailure,
+    RunCanceledError,
+    WorkerGroupError,
+)
 from ..states import CANCELED, FAILED, PENDING, RUNNING, SUCCESS, TIMEDOUT, RunState
 from .failures import failed_error, load_values
 from .group import GroupStartCanceled, GroupStatus, WorkerGroup
@@ -84,6 +91,9 @@ class Controller:
         callbacks: hooks around each attempt.
         first_attempt: the number of the first attempt (calls count from 0, workloads from 1).
         timeout_subject: how the timeout error names what ran out of time ("the call").
+        hang_timeout_s: the hang watchdog: stop the attempt with a diagnosis once no rank made
+            progress (collectives, steps) for this long; None: off. It arms once a rank has
+            reported progress (a process group, or a step).
         poll_s: how long one poll may wait for news.
         settle_s: how long the other ranks may report after a first failure.
         clock: a monotonic clock (tests pass a fake one).
@@ -101,6 +111,7 @@ class Controller:
         callbacks: Sequence[ControllerCallback] = (),
         first_attempt: int = 0,
         timeout_subject: str = "the call",
+        hang_timeout_s: float | None = None,
         poll_s: float = 0.02,
         settle_s: float = SETTLE_S,
         clock: Callable[[], float] = time.monotonic,
@@ -114,6 +125,9 @@ class Controller:
         self._callbacks = list(callbacks)
         self._first_attempt = first_attempt
         self._timeout_subject = timeout_subject
+        self._hang_timeout_s = hang_timeout_s
+        self._progress_key: Any = None
+        self._progress_since = 0.0
         self._poll_s = poll_s
         self._settle_s = settle_s
         self._clock = clock
@@ -236,6 +250,7 @@ class Controller:
 
     def _watch(self, group: WorkerGroup) -> AttemptOutcome:
         """Poll the group until its attempt has an outcome."""
+        self._progress_key, self._progress_since = None, self._clock()
         try:
             while True:
                 if self._cancel is not None:
@@ -255,6 +270,8 @@ class Controller:
                 left = self.time_left()
                 if left is not None and left <= 0:
                     return self._timed_out(group)
+                if self._hang_timeout_s is not None and self._stalled(status):
+                    return self._hung(group, status)
         except GroupStartCanceled:
             return self._canceled(group)
         except KeyboardInterrupt:
@@ -268,6 +285,44 @@ class Controller:
             )
             error.__cause__ = e
             return AttemptOutcome(FAILED, error=error, status=status)
+
+    def _stalled(self, status: GroupStatus) -> bool:
+        """Whether no rank made progress for ``hang_timeout_s`` (once any rank reported some)."""
+        key = tuple(sorted((r, p.get("step"), p.get("seq")) for r, p in status.progress.items()))
+        if key != self._progress_key:
+            self._progress_key, self._progress_since = key, self._clock()
+            return False
+        armed = any(step or seq is not None for _, step, seq in key)
+        return armed and self._clock() - self._progress_since > (self._hang_timeout_s or 0.0)
+
+    def _hung(self, group: WorkerGroup, status: GroupStatus) -> AttemptOutcome:
+        """Diagnose the hang (stacks, last collectives), then stop every rank."""
+        from .hangs import diagnose
+
+        idle = self._clock() - self._progress_since
+        stacks = group.stacks()
+        status = group.poll(0.0)
+        found = diagnose(status.progress, stacks, status.num_ranks, idle)
+        report = group.run_dir.path / "hang-report.txt"
+        try:
+            report.write_text(found.report)
+        except OSError:
+            pass
+        when = time.time()
+        status = group.stop(f"stopped by the hang watchdog after {idle:.0f} s without progress", self._grace_period_s)
+        group.close(False)
+        failures = dict(status.failures)
+        for rank, what in found.missing.items():  # blamed: the root cause is the rank that never came
+            failures[rank] = RankFailure(rank=rank, kind=HUNG, time=when - 1.0, message=what,
+                                         log_path=str(group.log_path(rank)))  # fmt: skip
+        for rank, what in found.waiting.items():
+            if rank in failures and failures[rank].kind != HUNG:
+                failures[rank] = RankFailure(rank=rank, kind="stopped", time=when, message=what,
+                                             log_path=str(group.log_path(rank)))  # fmt: skip
+        headline = "\n".join([f"{self._timeout_subject} hung: " + found.summary[0], *found.summary[1:],
+                              f"  full report (last collectives, every rank's stacks): {report}"])  # fmt: skip
+        error = DistributedHangError(failures, status.num_ranks, str(group.run_dir.path), headline)
+        return AttemptOutcome(TIMEDOUT, error=error, status=status)
 
     def _failed(self, group: WorkerGroup, status: GroupStatus) -> AttemptOutcome:
         # Let the other ranks report for a moment: the same error on several ranks is then

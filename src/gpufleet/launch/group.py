@@ -33,12 +33,15 @@ class GroupStatus:
         results: ``ok`` outcome records of ranks that returned, by rank.
         failures: failure records of ranks that failed (or were stopped), by rank.
         started: every rank's process was started (False while waiting for room on a cluster).
+        progress: each rank's last progress record (step, collective count, last collectives),
+            where the ranks report it (see :mod:`gpufleet.launch.progress`).
     """
 
     num_ranks: int
     results: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     failures: Mapping[int, RankFailure] = field(default_factory=dict)
     started: bool = True
+    progress: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -111,6 +114,10 @@ class WorkerGroup(abc.ABC):
             raise ValueError(f"rank must be in 0..{self.num_ranks - 1}, got {rank}")
         path = self.log_path(rank)
         return path.read_text("utf-8", "replace") if path.exists() else ""
+
+    def stacks(self, timeout_s: float = 3.0) -> dict[int, str]:
+        """Every live rank's stack of every thread, now (empty where the group cannot tell)."""
+        return {}
 
     @abc.abstractmethod
     def start(self) -> None:

@@ -20,7 +20,9 @@ from .group import GroupStatus, WorkerGroup
 from .logstream import LogConfig, RankLog
 from .ports import find_free_port
 from .proctree import popen_in_own_group, run_processes, stop_tree
+from .progress import PROGRESS_INTERVAL_ENV, STACKS_SIGNAL, read_progress
 from .spec import PARENT_PID_ENV, LaunchSpec, Rendezvous, default_threads, local_slots
+from .worker import LOOPBACK_STORE_ENV
 
 __all__ = ["LocalPlacement", "LocalWorkerGroup"]
 
@@ -83,6 +85,8 @@ class LocalWorkerGroup(WorkerGroup):
         self._results: dict[int, dict[str, Any]] = {}
         self._failures: dict[int, RankFailure] = {}
         self._closed = False
+        self._progress: dict[int, dict[str, Any]] = {}
+        self._progress_read = 0.0
         self.rendezvous: Rendezvous | None = None
 
     @property
@@ -102,6 +106,11 @@ class LocalWorkerGroup(WorkerGroup):
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # same order as NVML's indices
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.placement.gpu_indices)
         env.update(default_threads(env, spec.world_size))
+        if self.placement.master_addr == "127.0.0.1":
+            # The rendezvous store listens on loopback only (rank 0 hosts it for the others, as
+            # torchrun's agent does), and so do gloo's connections between the ranks.
+            env.update({LOOPBACK_STORE_ENV: "1", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         return env
 
     def start(self) -> None:
@@ -154,12 +163,55 @@ class LocalWorkerGroup(WorkerGroup):
         return news
 
     def _status(self) -> GroupStatus:
-        return GroupStatus(self.spec.world_size, dict(self._results), dict(self._failures))
+        return GroupStatus(
+            self.spec.world_size, dict(self._results), dict(self._failures), progress=dict(self._progress)
+        )
+
+    def _read_progress(self) -> None:
+        """Take the ranks' progress files, at most once a second (only written when progress is watched)."""
+        now = time.monotonic()
+        if now - self._progress_read < 1.0 or PROGRESS_INTERVAL_ENV not in self.spec.env:
+            return
+        self._progress_read = now
+        for rank in range(self.spec.world_size):
+            record = read_progress(self.run_dir.path, rank)
+            if record is not None:
+                self._progress[rank] = record
 
     def poll(self, wait_s: float) -> GroupStatus:
         if not self._collect() and wait_s > 0:
             time.sleep(wait_s)
+        self._read_progress()
         return self._status()
+
+    def stacks(self, timeout_s: float = 3.0) -> dict[int, str]:
+        """Every live rank's threads, dumped by faulthandler into ``stacks-R.txt`` on SIGUSR2."""
+        files = {r: self.run_dir.path / f"stacks-{r}.txt" for r in range(len(self._procs))}
+        sizes = {r: (f.stat().st_size if f.exists() else 0) for r, f in files.items()}
+        asked = []
+        for rank, proc in enumerate(self._procs):
+            # only a rank whose stack handler is in place (its progress file exists): before
+            # that, SIGUSR2 would end it
+            ready = (self.run_dir.path / f"progress-{rank}.json").exists()
+            if proc.poll() is None and ready:
+                try:
+                    os.kill(proc.pid, STACKS_SIGNAL)
+                    asked.append(rank)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + timeout_s
+        got: dict[int, str] = {}
+        while asked and time.monotonic() < deadline:
+            for rank in list(asked):
+                f = files[rank]
+                if f.exists() and f.stat().st_size > sizes[rank]:
+                    time.sleep(0.1)  # let faulthandler finish the dump
+                    with open(f, "rb") as fh:
+                        fh.seek(sizes[rank])
+                        got[rank] = fh.read().decode("utf-8", "replace")
+                    asked.remove(rank)
+            time.sleep(0.05)
+        return got
 
     # -- stopping -------------------------------------------------------------------------
     def stop(self, reason: str, grace_period_s: float, dump_stacks: bool = False) -> GroupStatus:
@@ -170,7 +222,7 @@ class LocalWorkerGroup(WorkerGroup):
                     os.kill(p.pid, signal.SIGUSR1)  # faulthandler prints every thread's stack
                 except ProcessLookupError:
                     pass
-            time.sleep(1.0)
+            self._wait_for_quiet_logs(3.0)
         t_stop = time.time()
         try:
             stop_tree(self._procs, grace_period_s, self.run_id)
@@ -184,6 +236,22 @@ class LocalWorkerGroup(WorkerGroup):
                 if not self._known(rank) and not self._take_outcome(rank):
                     self._failures[rank] = failures.stopped(rank, reason, t_stop, self.run_dir.log(rank))
         return self._status()
+
+    def _wait_for_quiet_logs(self, limit_s: float, quiet_s: float = 0.3) -> None:
+        """Wait until no rank's log grew for ``quiet_s`` (the stack dumps are in), at most ``limit_s``."""
+        def sizes() -> list[int]:
+            return [self.run_dir.log(r).stat().st_size if self.run_dir.log(r).exists() else 0
+                    for r in range(len(self._procs))]  # fmt: skip
+
+        deadline = time.monotonic() + limit_s
+        last, since = sizes(), time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            now = sizes()
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return
 
     def close(self, succeeded: bool) -> None:
         if self._closed:

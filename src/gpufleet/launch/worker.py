@@ -144,6 +144,34 @@ def _last_barrier(timeout_s: float = 60.0) -> None:
         pass
 
 
+#: Set by the local launcher: rank 0 hosts the rendezvous store on the loopback interface.
+LOOPBACK_STORE_ENV = "GPUFLEET_LOOPBACK_STORE"
+_store: Any = None  # the store rank 0 hosts, kept for the life of the process
+
+
+def _host_loopback_store() -> None:
+    """Host the run's rendezvous store on ``127.0.0.1:MASTER_PORT`` (rank 0 of a one-machine run).
+
+    torch's own rank 0 store listens on every interface, unauthenticated. With
+    ``TORCHELASTIC_USE_AGENT_STORE=True`` every rank (rank 0 included) is a client of the store
+    that the launcher side hosts, as under torchrun; here that is this listener, bound to loopback.
+    """
+    global _store
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+
+    port = int(os.environ["MASTER_PORT"])
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    _store = TCPStore(
+        "127.0.0.1", port, int(os.environ["WORLD_SIZE"]), is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(minutes=30), master_listen_fd=listener.detach(),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry of ``python -m gpufleet.launch.worker RUN_DIR RANK``."""
     argv = sys.argv[1:] if argv is None else argv
@@ -152,8 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     if parent:
         _watch_parent(int(parent))
     faulthandler.enable()  # a segfault prints the Python stack into the rank's log
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stack dump on hang diagnosis
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stack dump into the log at a timeout
+    from . import progress
 
+    progress.start(rank)  # faults to rehearse; progress and stacks when the hang watchdog is on
+
+    if os.environ.get(LOOPBACK_STORE_ENV) == "1" and os.environ.get("RANK") == "0":
+        try:
+            _host_loopback_store()
+        except ImportError:  # no torch here: the function cannot rendezvous through torch either
+            pass
     payload = Payload.read(run_dir.payload)
     for entry in payload.sys_path:
         if entry not in sys.path:

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from ..launch.progress import note_optimizer_step
 from .config import StrategyPlan
 
 logger = logging.getLogger(__name__)
@@ -189,6 +190,7 @@ class TorchPreparedModel(PreparedModel):
     def step(self) -> None:
         boundary = self.is_accumulation_boundary
         if boundary:
+            note_optimizer_step()  # a step for the hang watchdog and for faults given step=N
             optimizer = self._require_optimizer()
             if self.scaler is not None:
                 self.scaler.step(optimizer)

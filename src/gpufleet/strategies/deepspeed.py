@@ -6,6 +6,7 @@ import logging
 import os
 from typing import Any
 
+from ..launch.progress import note_optimizer_step
 from .base import PreparedModel
 from .config import StrategyConfigError, StrategyPlan
 from .precision import torch_dtype
@@ -73,6 +74,8 @@ class DeepSpeedPreparedModel(PreparedModel):
     def step(self) -> None:
         boundary = self.is_accumulation_boundary
         self.model.step()
+        if boundary:
+            note_optimizer_step()  # a step for the hang watchdog and for faults given step=N
         self._stepped = boundary
         self.micro_step += 1
 

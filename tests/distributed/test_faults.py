@@ -1,0 +1,85 @@
+"""Faults injected on purpose: kill, exit, hang and slow a rank at a step or after a time."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gpufleet import distributed, errors, runtime
+from gpufleet.faults import FAULTS_ENV, parse_fault
+
+CPU = {"gpus": 2, "gpu_type": "cpu", "tracking": False, "stream_logs": False, "grace_period_s": 1.0, "timeout": 120}
+
+
+def _steps(n: int, pause_s: float = 0.05) -> float:
+    """``n`` reported steps with an all-reduce each; returns how long they took on this rank."""
+    import torch
+    import torch.distributed as dist
+
+    runtime.setup()
+    started = time.monotonic()
+    for _ in range(n):
+        time.sleep(pause_s)
+        dist.all_reduce(torch.ones(1))
+        runtime.report_step()
+    return time.monotonic() - started
+
+
+def _env_of_rank() -> str | None:
+    import os
+
+    return os.environ.get(FAULTS_ENV)
+
+
+def test_kill_a_rank_at_a_step():
+    f = distributed(_steps, faults=["kill:rank=1:step=3"], **CPU)
+    with pytest.raises(errors.WorkerSignalError, match="rank 1 of 2 failed first: killed by signal SIGKILL") as info:
+        f.distributed(10)
+    assert "gpufleet: injected fault: kill at step 3" in info.value.failures[1].log_tail
+
+
+def test_exit_with_a_code_after_a_time():
+    f = distributed(_steps, faults=[{"action": "exit", "rank": 0, "after": 0.5, "code": 7}], **CPU)
+    with pytest.raises(errors.WorkerExitError, match="rank 0 of 2 failed first: process exited with code 7"):
+        f.distributed(10_000, 0.01)
+
+
+def test_hang_a_rank_and_the_watchdog_names_it():
+    f = distributed(_steps, faults=["hang:rank=0:step=2"], hang_timeout=3.0, **CPU)
+    with pytest.raises(errors.DistributedHangError) as info:
+        f.distributed(50)
+    assert info.value.rank == 0
+    assert "rank 0 missing from all_reduce" in str(info.value) and "_steps" in str(info.value)
+
+
+def test_slow_a_rank_by_a_factor():
+    # rank 1's steps take 4 times as long; rank 0 waits for it in each all-reduce
+    fast, slow = distributed(_steps, faults=["slow:rank=1:factor=4"], **CPU).distributed(8, 0.2)
+    plain = distributed(_steps, **CPU).distributed(8, 0.2)
+    assert slow > 2.5 * max(plain) and fast > 2.5 * max(plain)
+
+
+def test_a_run_without_faults_sets_nothing_and_faults_hit_the_first_attempt_only():
+    assert distributed(_env_of_rank, **CPU).distributed() == [None, None]
+    from gpufleet.faults import faults_env, parse_faults
+
+    faults = parse_faults(["kill:rank=1:step=30", "slow:factor=2:attempt=2", {"action": "exit", "after": 5, "attempt": None}])
+    assert "kill" in faults_env(faults, 1)[FAULTS_ENV] and "slow" not in faults_env(faults, 1)[FAULTS_ENV]
+    assert "kill" not in faults_env(faults, 2)[FAULTS_ENV] and "exit" in faults_env(faults, 2)[FAULTS_ENV]
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("explode:rank=1", "not one of kill, hang, exit, slow"),
+    ("kill:rank=1", "exactly one of step=N or after=SECONDS"),
+    ("kill:step=3:after=2", "exactly one of"),
+    ("kill:step=zero", "step='zero' is not a number"),
+    ("slow:factor=0.5", "factor >= 1"),
+    ("kill:rank=-1:step=2", "rank must be an integer >= 0"),
+    ({"action": "kill", "when": 3}, "a fault is a dict"),
+])  # fmt: skip
+def test_a_fault_that_could_never_fire_is_refused_before_launch(bad, why):
+    with pytest.raises(errors.LaunchConfigError, match=why):
+        parse_fault(bad)
+    with pytest.raises(errors.LaunchConfigError, match=why):
+        distributed(_steps, faults=[bad], **CPU)
