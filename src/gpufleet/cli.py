@@ -5,7 +5,8 @@ Each command group lives in its own module and registers its subcommands here th
 
 A state folder or run store that cannot be used (another user's, writable by others, a file,
 read-only, a damaged ``runs.db``, a store locked for too long) ends any command with one line
-``error: ...`` on stderr and exit code 2, never a traceback.
+``error: ...`` on stderr and exit code 2, never a traceback. Output into a pipe whose reader
+has gone (``gpufleet get RUN_ID | head -1``) ends quietly with exit code 141, as git does.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -58,10 +60,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.handler(args) or 0)
+        code = int(args.handler(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        _discard_stdout()
+        return SIGPIPE_EXIT
     except Exception as e:
         if not _unusable_state(e):
             raise
@@ -71,6 +80,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()
         print(f"error: {message}", file=sys.stderr)
         return 2
+
+
+#: Exit status when the reader of stdout went away (``gpufleet list | head -1``): 128 + SIGPIPE,
+#: what a shell reports for ``git log | head -1``.
+SIGPIPE_EXIT = 141
+
+
+def _stdout_closed() -> bool:
+    """Whether nothing reads stdout any more (a pipe whose reader exited)."""
+    try:
+        import select
+
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll() here, or stdout is not a file
+        return True
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass
 
 
 def _unusable_state(e: BaseException) -> bool:
