@@ -155,6 +155,8 @@ def test_cli_table_in_a_terminal():
     ).stdout
     for label in ("DDP", "FSDP2", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3+offload", "recommendation: fsdp2"):
         assert label in out
+    # the unit the size was read in is printed: GB means GiB, as on GPU labels
+    assert "--gpu-memory 80GB read as 80 GiB" in " ".join(out.split())
 
 
 def test_cli_bad_input_exits_2_with_the_reason(capsys):

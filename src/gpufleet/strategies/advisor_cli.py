@@ -30,7 +30,11 @@ def add_parsers(subparsers: Any) -> None:
     what.add_argument("--model-params", help="parameter count, e.g. 7B, 350M, 1.5e9")
     what.add_argument("--model", help="a local Hugging Face model folder or config.json (nothing is downloaded)")
     p.add_argument("--gpus", type=int, default=1, help="number of GPUs in the run (default 1)")
-    p.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 80GB, 141GB (default 80GB)")
+    p.add_argument(
+        "--gpu-memory", default="80GB",
+        help="memory of one GPU as its maker labels it, e.g. 80GB, 141GB (default 80GB); GB means GiB "
+        "(2^30 bytes) here, as on GPU labels (an 80GB H100 has about 80 GiB); MB means MiB",
+    )  # fmt: skip
     p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, lion, adam8bit, sgd-nomomentum (default adamw)")
     p.add_argument("--precision", default="bf16", help="bf16, fp16 or no (default bf16)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (activations are left out without it)")
@@ -72,11 +76,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.output == "json":
         sys.stdout.write(json.dumps(advice.to_dict(), indent=2) + "\n")
         return 0
-    _print_table(advice)
+    _print_table(advice, args.gpu_memory)
     return 0
 
 
-def _print_table(advice: Any) -> None:
+def _print_table(advice: Any, gpu_memory: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -105,7 +109,10 @@ def _print_table(advice: Any) -> None:
         )
     console = Console(width=None if sys.stdout.isatty() else 120)
     console.print(table)
-    console.print(f"GiB per GPU; usable {inputs['usable_gib']:g} GiB (90 % of each GPU).")
+    console.print(
+        f"GiB per GPU (1 GiB = 2^30 bytes); --gpu-memory {gpu_memory} read as {inputs['gpu_memory_gib']:g} GiB "
+        f"(GB means GiB here, as on GPU labels); usable {inputs['usable_gib']:g} GiB (90 % of each GPU)."
+    )
     console.print(f"[bold]recommendation: {advice.recommendation}[/bold] - {advice.reason}")
     for note in advice.notes:
         console.print(f"note: {note}")
