@@ -10,6 +10,7 @@ from typing import Any
 from . import errors, runtime
 from .api import DistributedFunction, RunHandle, distributed
 from .errors import (
+    DistributedHangError,
     DistributedTimeoutError,
     GpufleetError,
     GPUUnavailableError,
@@ -41,6 +42,7 @@ _LAZY = {
     "FileDataset": "gpufleet.data",
     "TimedDataLoader": "gpufleet.data",
     "start_tracked_run": "gpufleet.tracking",
+    "shutdown_workers": "gpufleet.launch.warm",
 }
 
 __all__ = [
@@ -57,6 +59,7 @@ __all__ = [
     "WorkerSignalError",
     "WorkerExitError",
     "DistributedTimeoutError",
+    "DistributedHangError",
     "RunCanceledError",
     "SchedulingTimeoutError",
     "__version__",

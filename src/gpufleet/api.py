@@ -58,6 +58,17 @@ def _find_unpicklable(func: Callable[..., Any], args: tuple[Any, ...], kwargs: d
     return "an object of the call (cloudpickle gave no detail)"
 
 
+def _from_ranks(error: Exception) -> bool:
+    """Whether ``error`` is a run's error (a rank's own exception or a worker group's).
+
+    Such an error is raised again without its traceback inside gpufleet: the caller's traceback
+    then ends in one gpufleet frame, and the ranks' own traceback is the error's ``__cause__``.
+    """
+    from .errors import WorkerGroupError
+
+    return isinstance(error, WorkerGroupError) or hasattr(error, "gpufleet_error")
+
+
 class RunHandle:
     """A run started by :meth:`DistributedFunction.submit`.
 
@@ -105,7 +116,12 @@ class RunHandle:
         """Wait for the run; per-rank results, or the run's error raised here."""
         if not self._controller.finished.wait(timeout):
             raise TimeoutError(f"run {self.run_id} is still {self.status} after {timeout} s")
-        return self._controller.outcome()
+        try:
+            return self._controller.outcome()
+        except Exception as e:
+            if _from_ranks(e):
+                raise e.with_traceback(None) from e.__cause__  # one gpufleet frame between caller and ranks
+            raise
 
     def cancel(self, wait: float | None = 30.0) -> None:
         """Stop every rank; ``result()`` then raises :class:`~gpufleet.errors.RunCanceledError`.
@@ -142,6 +158,7 @@ class DistributedFunction:
             raise LaunchConfigError(f"@distributed decorates a function, got {_describe(func)}")
         self.func = func
         self.options = options
+        self._warm_keys: set[Any] = set()
         self._signature = inspect.signature(func)
         functools.update_wrapper(self, func)
 
@@ -169,11 +186,11 @@ class DistributedFunction:
             name = getattr(self.func, "__name__", "function")
             raise TypeError(f"{name}{self._signature}: {e}; nothing was launched") from None
 
-    def _pickle_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    def _pickle_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+        """The pickled call, and the source of the code it sends by value (for remote tracebacks)."""
         import io
-        import pickle
 
-        import cloudpickle
+        from .launch.tracebacks import dumps_call
 
         for where, value in [*((f"positional argument {i}", a) for i, a in enumerate(args)),
                              *((f"argument {k!r}", v) for k, v in kwargs.items())]:  # fmt: skip
@@ -186,7 +203,7 @@ class DistributedFunction:
                 )
 
         try:
-            return cloudpickle.dumps((self.func, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+            return dumps_call((self.func, args, kwargs))
         except Exception as e:
             what = _find_unpicklable(self.func, args, kwargs)
             raise PayloadPicklingError(
@@ -213,7 +230,8 @@ class DistributedFunction:
                 raise LaunchConfigError(
                     "remote=True needs a Ray cluster address in RAY_ADDRESS; or pass remote='ray://host:10001'"
                 )
-        payload = Payload(self._pickle_call(args, kwargs), tuple(p for p in sys.path if p), opts.fast_exit)
+        call, sources = self._pickle_call(args, kwargs)
+        payload = Payload(call, tuple(p for p in sys.path if p), opts.fast_exit, sources)
         env = {**watchdog_env(opts.hang_timeout), **opts.env}
         name = opts.name or getattr(self.func, "__name__", "run")
         logs = LogConfig(enabled=opts.stream_logs, full_ranks=opts.log_ranks, stderr=opts.stream_stderr)
@@ -231,19 +249,31 @@ class DistributedFunction:
             from .launch.gpus import resolve_local
             from .launch.local import LocalPlacement, LocalWorkerGroup
 
+            from .launch.leases import call_gpu_request
+
             found = resolve_local(opts.gpus, opts.gpu_type)
-            placement = LocalPlacement(found.use_gpus, tuple(found.gpu_indices))
+            lease = call_gpu_request(opts.gpus, opts.gpu_wait, opts.timeout, found.use_gpus)  # GPUs taken at start
+            placement = LocalPlacement(found.use_gpus, tuple(found.gpu_indices), gpu_request=lease)
+
+            from .launch.warm import WarmWorkerGroup, resolve_keep_warm
+
+            keep_warm = resolve_keep_warm(opts.keep_warm)
+            warm_key = self._warm_key(found.num_workers, placement)
 
             def make_group(attempt: int) -> WorkerGroup:
                 spec = LaunchSpec(
                     new_run_id(name), found.num_workers, use_gpus=found.use_gpus, attempt=attempt,
                     env={**faults_env(opts.faults, attempt + 1), **env}, payload=payload,
                 )
-                return LocalWorkerGroup(
-                    spec, RunDir.create(opts.runs_dir, spec.run_id), placement, logs, opts.grace_period_s
-                )
+                run_dir = RunDir.create(opts.runs_dir, spec.run_id)
+                if keep_warm > 0:
+                    self._warm_keys.add(warm_key)
+                    return WarmWorkerGroup(spec, run_dir, placement, logs, opts.grace_period_s, warm_key, keep_warm)
+                return LocalWorkerGroup(spec, run_dir, placement, logs, opts.grace_period_s)
 
-        callbacks = []
+        from .registry import CallRecorder
+
+        callbacks: list[Any] = [CallRecorder(self, "ray" if remote else "local")]  # the run store's records
         from .tracking import tracking_enabled
 
         if opts.tracking and tracking_enabled():  # one MLflow run per attempt; MLflow is imported only then
@@ -263,6 +293,23 @@ class DistributedFunction:
             max_retries=opts.max_retries, callbacks=callbacks, hang_timeout_s=opts.hang_timeout,
         )
 
+    def _warm_key(self, num_workers: int, placement: Any) -> tuple[Any, ...]:
+        """What warm ranks must share with this call to serve it: placement, environment, interpreter, code."""
+        stamp = None
+        module = sys.modules.get(getattr(self.func, "__module__", "") or "")
+        file = getattr(module, "__file__", None)
+        if module is not None and module.__name__ != "__main__" and file and os.path.exists(file):
+            stamp = (file, os.stat(file).st_mtime_ns)  # an edited source file gets fresh ranks
+        opts = self.options
+        return (num_workers, placement, tuple(sorted(opts.env.items())), sys.executable, stamp,
+                opts.runs_dir, opts.hang_timeout is None)  # fmt: skip
+
+    def shutdown(self) -> int:
+        """Stop the idle warm ranks this function used, now (see ``keep_warm``); returns how many sets."""
+        from .launch.warm import POOL
+
+        return POOL.shutdown(set(self._warm_keys))
+
     def distributed(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Run on every rank and wait; returns each rank's return value, index = global rank.
 
@@ -277,10 +324,25 @@ class DistributedFunction:
         """
         controller = self._controller(args, kwargs)
         controller.start()
-        return controller.run()
+        try:
+            return controller.run()
+        except Exception as e:
+            if _from_ranks(e):
+                raise e.with_traceback(None) from e.__cause__  # one gpufleet frame between caller and ranks
+            raise
 
-    def submit(self, *args: Any, **kwargs: Any) -> RunHandle:
-        """Start the run and return at once with a :class:`RunHandle`."""
+    def submit(self, *args: Any, detach: bool = False, **kwargs: Any) -> Any:
+        """Start the run and return at once with a :class:`RunHandle`.
+
+        A program that ends while the run goes on stops it, saying so on stderr. With
+        ``detach=True`` the run goes to a supervisor process of its own instead and outlives
+        this one (:class:`~gpufleet.detach.DetachedRunHandle`; ``gpufleet logs RUN_ID --follow``).
+        ``detach`` is not passed to the function.
+        """
+        if detach:
+            from .detach import submit_detached
+
+            return submit_detached(self, args, kwargs)
         controller = self._controller(args, kwargs)
         group = controller.start()
 
@@ -319,7 +381,9 @@ def distributed(
             ``GPUFLEET_TRACKING=0``), ``experiment_name`` (the MLflow experiment),
             ``hang_timeout`` (seconds without progress before the hang watchdog stops the call
             with a diagnosis, default 600; None: off), ``faults`` (faults to inject on purpose,
-            e.g. ``["kill:rank=1:step=30"]``; see :mod:`gpufleet.faults`).
+            e.g. ``["kill:rank=1:step=30"]``; see :mod:`gpufleet.faults`), ``keep_warm``
+            (seconds idle ranks stay ready for the next call; True = 600, False = off; default:
+            on in a notebook, off in scripts; local runs only).
 
     Works bare (``@distributed``) and with arguments (``@distributed(gpus=2)``).
     """

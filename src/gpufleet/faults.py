@@ -128,7 +128,8 @@ _last_step_time: float | None = None
 
 def arm(rank: int) -> None:
     """Arm this rank's faults from ``GPUFLEET_FAULTS`` (time-triggered ones start their timers)."""
-    global _armed
+    global _armed, _last_step_time
+    _armed, _last_step_time = [], None
     raw = os.environ.get(FAULTS_ENV)
     if not raw:
         return

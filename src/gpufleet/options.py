@@ -33,11 +33,15 @@ class LaunchOptions:
     experiment_name: str | None = None
     hang_timeout: float | None = 600.0
     faults: tuple[Any, ...] = ()
+    keep_warm: float | bool | None = None
+    #: Seconds to wait for free GPUs (see :mod:`gpufleet.launch.leases`); None: 300 in a notebook, else the timeout.
+    gpu_wait: float | None = None
 
     def check(self) -> None:
         """Reject wrong settings with a message that says what is allowed."""
-        if self.gpus is not None and (isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1):
-            raise LaunchConfigError(f"gpus must be a positive integer or None (every visible GPU), got {self.gpus!r}")
+        from .launch.leases import check_gpu_settings
+
+        check_gpu_settings(self.gpus, self.gpu_wait, self.remote)
         if self.gpu_type is not None and (not isinstance(self.gpu_type, str) or not self.gpu_type.strip()):
             raise LaunchConfigError(f"gpu_type must be a GPU model such as 'H100', or 'cpu', got {self.gpu_type!r}")
         if self.timeout is not None and (
@@ -78,6 +82,13 @@ class LaunchOptions:
         from .faults import parse_faults
 
         parse_faults(self.faults)  # a fault that could never fire is refused now, not in the ranks
+        if self.keep_warm is not None and not isinstance(self.keep_warm, bool) and (
+            not isinstance(self.keep_warm, (int, float)) or not math.isfinite(self.keep_warm) or self.keep_warm < 0
+        ):
+            raise LaunchConfigError(
+                f"keep_warm must be True (keep idle ranks 600 s), False, a number of seconds >= 0, or None "
+                f"(on in a notebook, off elsewhere); got {self.keep_warm!r}"
+            )
         if not isinstance(self.remote, (bool, str)):
             raise LaunchConfigError(f"remote must be False, True or a Ray address string, got {self.remote!r}")
 
@@ -99,6 +110,8 @@ def make_options(base: LaunchOptions | None = None, **settings: Any) -> LaunchOp
     if "log_ranks" in settings and settings["log_ranks"] != "all":
         value = settings["log_ranks"]
         settings["log_ranks"] = tuple(value) if isinstance(value, (list, tuple, set, range)) else value
+    if isinstance(settings.get("gpus"), (list, range)):
+        settings["gpus"] = tuple(settings["gpus"])  # named GPUs
     if "faults" in settings:
         from .faults import parse_faults
 

@@ -20,10 +20,10 @@ def test_public_api_is_pinned():
             "distributed", "ray_launch", "runtime", "errors", "DistributedFunction", "RunHandle",
             "GpufleetError", "LaunchConfigError", "GPUUnavailableError", "PayloadPicklingError",
             "WorkerGroupError", "WorkerSignalError", "WorkerExitError", "DistributedTimeoutError",
-            "RunCanceledError", "SchedulingTimeoutError", "__version__",
+            "RunCanceledError", "SchedulingTimeoutError", "DistributedHangError", "__version__",
             "prepare", "plan", "advise", "PreparedModel", "DDPConfig", "FSDP2Config", "DeepSpeedConfig",
             "StrategyConfigError", "CheckpointManager", "CheckpointError", "export_checkpoint",
-            "FileDataset", "TimedDataLoader", "start_tracked_run",
+            "FileDataset", "TimedDataLoader", "start_tracked_run", "shutdown_workers",
         ]
     )
     for name in gpufleet.__all__:

@@ -17,6 +17,7 @@ from ..errors import RankFailure
 from ..results import ERROR, OK, RunDir, read_outcome
 from . import failures
 from .group import GroupStatus, WorkerGroup
+from .leases import GpuLease, GpuRequest, lease_for_group, release_group_lease
 from .logstream import LogConfig, RankLog
 from .ports import find_free_port
 from .proctree import popen_in_own_group, run_processes, stop_tree
@@ -38,6 +39,8 @@ class LocalPlacement:
     use_gpus: bool
     gpu_indices: tuple[int, ...] = ()
     master_addr: str = "127.0.0.1"
+    #: Lease the GPUs at start (:mod:`gpufleet.launch.leases`); ``gpu_indices`` become the leased ones.
+    gpu_request: GpuRequest | None = None
 
 
 class _Pump:
@@ -88,6 +91,7 @@ class LocalWorkerGroup(WorkerGroup):
         self._progress: dict[int, dict[str, Any]] = {}
         self._progress_read = 0.0
         self.rendezvous: Rendezvous | None = None
+        self.lease: GpuLease | None = None
 
     @property
     def pids(self) -> list[int]:
@@ -115,6 +119,7 @@ class LocalWorkerGroup(WorkerGroup):
 
     def start(self) -> None:
         assert self.spec.payload is not None, "a local worker group runs a payload"
+        lease_for_group(self)  # waits for free GPUs; the ranks see only the leased ones
         self.spec.payload.write(self.run_dir.payload)
         addr = self.placement.master_addr
         self.rendezvous = Rendezvous(addr, find_free_port(addr))
@@ -184,9 +189,12 @@ class LocalWorkerGroup(WorkerGroup):
         self._read_progress()
         return self._status()
 
+    def _stacks_dir(self) -> Path:
+        return self.run_dir.path
+
     def stacks(self, timeout_s: float = 3.0) -> dict[int, str]:
         """Every live rank's threads, dumped by faulthandler into ``stacks-R.txt`` on SIGUSR2."""
-        files = {r: self.run_dir.path / f"stacks-{r}.txt" for r in range(len(self._procs))}
+        files = {r: self._stacks_dir() / f"stacks-{r}.txt" for r in range(len(self._procs))}
         sizes = {r: (f.stat().st_size if f.exists() else 0) for r, f in files.items()}
         asked = []
         for rank, proc in enumerate(self._procs):
@@ -266,6 +274,7 @@ class LocalWorkerGroup(WorkerGroup):
         else:
             for pump in self._pumps:
                 pump.close()
+            release_group_lease(self)
         for path in [self.run_dir.payload] + [self.run_dir.outcome(r) for r in range(len(self._procs))]:
             try:
                 path.unlink()
@@ -283,4 +292,5 @@ class LocalWorkerGroup(WorkerGroup):
             for pump in self._pumps:
                 pump.close()
         finally:
+            release_group_lease(self)  # once the ranks are gone
             _reapers.discard(threading.current_thread())

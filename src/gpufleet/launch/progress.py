@@ -117,8 +117,19 @@ def write_progress(path: Path) -> None:
     os.replace(tmp, path)
 
 
-def start(rank: int) -> None:
-    """In a rank: arm faults, and when the launcher watches progress, report it and take stack requests."""
+def reset() -> None:
+    """Start counting afresh (a warm worker's next call)."""
+    global _batches, _optimizer_steps, _reported
+    _batches, _optimizer_steps, _reported = 0, 0, None
+
+
+def start(rank: int, stacks_dir: str | None = None) -> None:
+    """In a rank: arm faults, and when the launcher watches progress, report it and take stack requests.
+
+    The progress file goes to the run folder of the call in progress (``GPUFLEET_RUN_DIR``, read
+    each time: a warm worker serves several calls); stack dumps go to ``stacks_dir`` (default: that
+    run folder).
+    """
     from .. import faults
 
     faults.arm(rank)
@@ -126,15 +137,14 @@ def start(rank: int) -> None:
     if not folder or not os.environ.get(PROGRESS_INTERVAL_ENV):
         return
     global _stack_file
-    _stack_file = open(Path(folder) / f"stacks-{rank}.txt", "a", opener=_private)  # noqa: SIM115 - kept open
+    _stack_file = open(Path(stacks_dir or folder) / f"stacks-{rank}.txt", "a", opener=_private)  # noqa: SIM115 - kept open
     faulthandler.register(STACKS_SIGNAL, file=_stack_file, all_threads=True, chain=False)
     interval = float(os.environ.get(PROGRESS_INTERVAL_ENV, "2"))
-    path = Path(folder) / f"progress-{rank}.json"
 
     def loop() -> None:
         while True:
             try:
-                write_progress(path)
+                write_progress(Path(os.environ["GPUFLEET_RUN_DIR"]) / f"progress-{rank}.json")
             except Exception:  # noqa: BLE001 - never disturb the rank
                 pass
             time.sleep(interval)

@@ -14,12 +14,12 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 from ..results import ERROR, OK, RunDir, write_outcome
 from .spec import PARENT_PID_ENV, Payload
+from .tracebacks import format_exception, register_sources
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -51,12 +51,18 @@ def _describe_exception(exc: BaseException) -> dict[str, Any]:
         "exc_type": exc_type.__name__,
         "exc_qualname": f"{exc_type.__module__}.{exc_type.__qualname__}",
         "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "traceback": format_exception(exc),  # the user's source lines; gpufleet's frames one line
         "exc_bytes": exc_bytes,
     }
 
 
+#: A warm worker keeps its process group between calls (see :mod:`gpufleet.launch.warm_worker`).
+KEEP_PROCESS_GROUP = False
+
+
 def _destroy_process_group() -> None:
+    if KEEP_PROCESS_GROUP:
+        return
     dist = sys.modules.get("torch.distributed")
     if dist is None:
         return
@@ -194,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     for entry in payload.sys_path:
         if entry not in sys.path:
             sys.path.append(entry)
+    register_sources(payload.sources)  # tracebacks show the lines of code sent by value
     fast = payload.fast_exit
     call = load_call(payload.call, rank, run_dir.outcome(rank))
     del payload  # the call's bytes go: a large argument is held once, as the object it is

@@ -1,0 +1,319 @@
+"""Warm worker groups: a notebook's next call reuses the ranks of its last one.
+
+A :class:`WarmWorkerGroup` is the local worker group of one call (its own run id, run folder,
+logs, outcome files, tracking), whose ranks come from a pool of warm ranks kept by this process:
+interpreters that already imported what the last call imported, hold their CUDA context and keep
+their process group (:mod:`gpufleet.launch.warm_worker`). Ranks are reused only for the same
+placement and environment (GPUs, world size, the call's ``env``, the Python executable, the
+function's source file when it is imported rather than shipped by value); anything else starts
+fresh ranks, stopping idle ones that hold the same GPUs. Any failure, timeout, cancel or Ctrl-C
+discards the ranks; ranks idle past ``keep_warm`` seconds are stopped, and so are all of them
+when the calling process ends (ranks also end themselves when their caller dies).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from ..results import RunDir
+from .group import GroupStatus
+from .local import LocalPlacement, LocalWorkerGroup
+from .logstream import LogConfig, RankLog
+from .ports import find_free_port
+from .proctree import stop_tree
+from .spec import LaunchSpec, Rendezvous
+from .warm_worker import JOB_END
+
+logger = logging.getLogger(__name__)
+
+#: ``keep_warm=True`` keeps idle ranks this long (seconds).
+DEFAULT_KEEP_WARM_S = 600.0
+_END = (JOB_END + "\n").encode()
+
+
+def interactive() -> bool:
+    """Whether this process is an interactive IPython / Jupyter kernel."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return False
+    try:
+        return ipython.get_ipython() is not None
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def resolve_keep_warm(value: float | bool | None) -> float:
+    """Seconds idle ranks stay ready: None -> on in an interactive kernel, off elsewhere."""
+    if value is None:
+        return DEFAULT_KEEP_WARM_S if interactive() else 0.0
+    if value is True:
+        return DEFAULT_KEEP_WARM_S
+    if value is False:
+        return 0.0
+    return float(value)
+
+
+class _Pump:
+    """Copies a warm rank's output into the log of the call it currently serves."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self._log: RankLog | None = None
+        self._lock = threading.Lock()
+        self._ends = {False: threading.Event(), True: threading.Event()}
+        for pipe, is_stderr in ((proc.stdout, False), (proc.stderr, True)):
+            threading.Thread(target=self._pump, args=(pipe, is_stderr), daemon=True).start()
+
+    def serve(self, log: RankLog) -> None:
+        with self._lock:
+            self._log = log
+            for event in self._ends.values():
+                event.clear()
+
+    def _pump(self, pipe: IO[bytes], is_stderr: bool) -> None:
+        for line in iter(pipe.readline, b""):
+            if line == _END:
+                self._ends[is_stderr].set()
+                continue
+            with self._lock:
+                log = self._log
+            if log is not None:
+                log.write(line, is_stderr)
+        pipe.close()
+        self._ends[is_stderr].set()
+
+    def join(self, timeout_s: float) -> None:
+        """Wait (up to ``timeout_s``) for the output of a rank that exited."""
+        self.wait_for_end(timeout_s)
+
+    def wait_for_end(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        return all(e.wait(max(0.0, deadline - time.monotonic())) for e in self._ends.values())
+
+    def close(self) -> None:
+        with self._lock:
+            log, self._log = self._log, None
+        if log is not None:
+            log.close()
+
+
+@dataclass(eq=False)
+class WarmRanks:
+    """Live warm ranks of one placement, and whether a call is using them."""
+
+    key: Hashable
+    gpu_indices: tuple[int, ...]
+    procs: list[subprocess.Popen[bytes]]
+    pumps: list[_Pump]
+    control_dir: Path
+    rendezvous: Rendezvous
+    keep_warm_s: float
+    busy: bool = True
+    idle_since: float = field(default_factory=time.monotonic)
+    calls: int = 0
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def send(self, rank: int, job: dict[str, Any]) -> None:
+        stdin = self.procs[rank].stdin
+        assert stdin is not None
+        stdin.write((json.dumps(job) + "\n").encode())
+        stdin.flush()
+
+    def stop(self, grace_period_s: float = 2.0) -> None:
+        for p in self.procs:
+            try:
+                if p.stdin:
+                    p.stdin.close()  # a warm rank ends when its job pipe closes
+            except OSError:
+                pass
+        stop_tree(self.procs, grace_period_s)
+        for pump in self.pumps:
+            pump.close()
+        shutil.rmtree(self.control_dir, ignore_errors=True)
+
+
+class WarmPool:
+    """This process's warm ranks, one set per placement key."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranks: dict[Hashable, WarmRanks] = {}
+        self._reaper: threading.Thread | None = None
+
+    def take(self, key: Hashable, gpu_indices: tuple[int, ...]) -> WarmRanks | None:
+        """The idle, live ranks of ``key`` (now busy), or None; stops idle ranks that hold the same GPUs."""
+        with self._lock:
+            ranks = self._ranks.get(key)
+            if ranks is not None and not ranks.busy and ranks.alive():
+                ranks.busy = True
+                return ranks
+            if ranks is not None and not ranks.busy:
+                self._ranks.pop(key)
+                ranks.stop(0.5)
+            clash = [r for r in self._ranks.values()
+                     if not r.busy and set(r.gpu_indices) & set(gpu_indices)]  # fmt: skip
+            for r in clash:
+                self._ranks.pop(r.key)
+                r.stop(0.5)
+        return None
+
+    def add(self, ranks: WarmRanks) -> None:
+        with self._lock:
+            old = self._ranks.get(ranks.key)
+            if old is not None and old is not ranks and not old.busy:
+                old.stop(0.5)
+            self._ranks[ranks.key] = ranks
+        self._start_reaper()
+
+    def release(self, ranks: WarmRanks) -> None:
+        """The call ended well: the ranks wait for the next one."""
+        with self._lock:
+            ranks.busy = False
+            ranks.idle_since = time.monotonic()
+            ranks.calls += 1
+
+    def discard(self, ranks: WarmRanks) -> None:
+        with self._lock:
+            if self._ranks.get(ranks.key) is ranks:
+                self._ranks.pop(ranks.key)
+
+    def shutdown(self, keys: set[Hashable] | None = None) -> int:
+        """Stop idle ranks (of ``keys``, or all); returns how many sets were stopped."""
+        with self._lock:
+            chosen = [r for k, r in self._ranks.items() if (keys is None or k in keys) and not r.busy]
+            for r in chosen:
+                self._ranks.pop(r.key)
+        for r in chosen:
+            r.stop(1.0)
+        return len(chosen)
+
+    def _start_reaper(self) -> None:
+        if self._reaper is not None and self._reaper.is_alive():
+            return
+        self._reaper = threading.Thread(target=self._reap, name="gpufleet-warm-reaper", daemon=True)
+        self._reaper.start()
+
+    def _reap(self) -> None:
+        while True:
+            time.sleep(1.0)
+            now = time.monotonic()
+            with self._lock:
+                expired = [r for r in self._ranks.values() if not r.busy and now - r.idle_since > r.keep_warm_s]
+                for r in expired:
+                    self._ranks.pop(r.key)
+                empty = not self._ranks
+            for r in expired:
+                logger.info("stopping warm ranks idle for %.0f s", r.keep_warm_s)
+                r.stop(1.0)
+            if empty:
+                return
+
+    def live(self) -> list[WarmRanks]:
+        with self._lock:
+            return list(self._ranks.values())
+
+
+POOL = WarmPool()
+atexit.register(POOL.shutdown)
+
+
+def shutdown_workers() -> int:
+    """Stop every idle warm rank of this process now; returns how many groups of ranks were stopped."""
+    return POOL.shutdown()
+
+
+class WarmWorkerGroup(LocalWorkerGroup):
+    """One call on warm ranks: its own run id, folder, logs and outcomes; the ranks outlive it on success."""
+
+    def __init__(self, spec: LaunchSpec, run_dir: RunDir, placement: LocalPlacement, logs: LogConfig,
+                 grace_period_s: float, key: Hashable, keep_warm_s: float) -> None:  # fmt: skip
+        super().__init__(spec, run_dir, placement, logs, grace_period_s)
+        self._key = key
+        self._keep_warm_s = keep_warm_s
+        self.warm: WarmRanks | None = None
+        self.reused = False
+
+    def _stacks_dir(self) -> Path:
+        return self.warm.control_dir if self.warm else self.run_dir.path
+
+    def _spawn(self) -> WarmRanks:
+        addr = self.placement.master_addr
+        rendezvous = Rendezvous(addr, find_free_port(addr))
+        control = Path(tempfile.mkdtemp(prefix="gpufleet-warm-", dir=self.run_dir.path.parent))
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for rank in range(self.spec.world_size):
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "gpufleet.launch.warm_worker", str(control), str(rank)],
+                    env=self._env(rank, rendezvous), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+                ))  # fmt: skip
+        except BaseException:
+            stop_tree(procs, 0.5)
+            raise
+        ranks = WarmRanks(self._key, self.placement.gpu_indices, procs, [_Pump(p) for p in procs], control,
+                          rendezvous, self._keep_warm_s)  # fmt: skip
+        POOL.add(ranks)
+        return ranks
+
+    def start(self) -> None:
+        assert self.spec.payload is not None, "a warm worker group runs a payload"
+        self.spec.payload.write(self.run_dir.payload)
+        ranks = POOL.take(self._key, self.placement.gpu_indices)
+        self.reused = ranks is not None
+        self.warm = ranks or self._spawn()
+        self.rendezvous = self.warm.rendezvous
+        self._procs = self.warm.procs
+        self._pumps = self.warm.pumps  # type: ignore[assignment]
+        for rank, pump in enumerate(self.warm.pumps):
+            pump.serve(RankLog(rank, self.run_dir.log(rank), self._logs))
+        try:
+            for rank in range(self.spec.world_size):
+                self.warm.send(rank, {"run_dir": str(self.run_dir.path), "env": self._job_env(rank)})
+        except OSError:  # a rank died while idle: the poll reports it
+            pass
+        logger.debug("run %s on %s warm ranks", self.run_id, "reused" if self.reused else "new")
+
+    def _job_env(self, rank: int) -> dict[str, str]:
+        """This call's whole environment for a rank (run id, folder, attempt, tracking, faults included)."""
+        assert self.warm is not None
+        return self._env(rank, self.warm.rendezvous)
+
+    def stop(self, reason: str, grace_period_s: float, dump_stacks: bool = False) -> GroupStatus:
+        if self.warm is not None:
+            POOL.discard(self.warm)  # a stopped call leaves no warm ranks behind
+        status = super().stop(reason, grace_period_s, dump_stacks)
+        if self.warm is not None:
+            self.warm.stop(0.0)
+        return status
+
+    def close(self, succeeded: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        warm = self.warm
+        if warm is not None and succeeded and all(p.wait_for_end(10.0) for p in warm.pumps) and warm.alive():
+            for pump in warm.pumps:
+                pump.close()
+            POOL.release(warm)
+        elif warm is not None:
+            POOL.discard(warm)
+            warm.stop(1.0)
+        for path in [self.run_dir.payload] + [self.run_dir.outcome(r) for r in range(self.spec.world_size)]:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,216 @@
+"""Warm workers: the next call reuses the last call's ranks, isolated, and nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from gpufleet import distributed, errors, runtime, shutdown_workers
+
+CPU = {"gpus": 2, "gpu_type": "cpu", "tracking": False, "stream_logs": False, "grace_period_s": 1.0, "timeout": 120}
+
+
+@pytest.fixture(autouse=True)
+def _no_warm_ranks_after_the_test():
+    yield
+    shutdown_workers()
+
+
+def by_value(source: str, name: str):
+    """A function defined as in a notebook cell (module ``__main__``: shipped by value)."""
+    namespace = {"__name__": "__main__", "runtime": runtime}
+    exec(textwrap.dedent(source), namespace)
+    return namespace[name]
+
+
+def _all_reduce_and_pid(x: int) -> tuple[int, float, int]:
+    import torch
+    import torch.distributed as dist
+
+    runtime.setup()
+    t = torch.tensor([float(runtime.get_global_rank() + 1)])
+    dist.all_reduce(t)
+    return os.getpid(), t.item(), x
+
+
+def pids(results) -> list[int]:
+    return [r[0] for r in results]
+
+
+def test_second_and_third_calls_reuse_the_ranks():
+    f = distributed(_all_reduce_and_pid, keep_warm=60, **CPU)
+    first = f.distributed(1)
+    second, third = f.distributed(2), f.distributed(3)
+    assert [r[1:] for r in first] == [(3.0, 1), (3.0, 1)] and [r[2] for r in third] == [3, 3]
+    assert pids(first) == pids(second) == pids(third)
+    handle = f.submit(4)
+    assert pids(handle.result(timeout=60)) == pids(first)
+    assert handle.logs(0) is not None and os.path.basename(handle.run_dir) != ""  # each call is its own run
+
+
+def test_calls_are_isolated_and_an_edited_function_runs_its_new_code():
+    first = by_value('''
+        counter = 0
+        def step():
+            import os
+            global counter
+            counter += 1
+            return os.getpid(), counter
+    ''', "step")
+    edited = by_value('''
+        counter = 0
+        def step():
+            import os
+            global counter
+            counter += 100
+            return os.getpid(), counter
+    ''', "step")
+    a = distributed(first, keep_warm=60, **CPU).distributed()
+    b = distributed(first, keep_warm=60, **CPU).distributed()
+    c = distributed(edited, keep_warm=60, **CPU).distributed()
+    assert pids(a) == pids(b) == pids(c)
+    assert [r[1] for r in b] == [1, 1]  # the global of call 1 is not seen by call 2
+    assert [r[1] for r in c] == [100, 100]  # the edited cell's code ran
+
+
+def _echo_large(blob: bytes) -> bytes:
+    return blob[::-1] if runtime.get_global_rank() == 0 else b"ok"
+
+
+def test_large_arguments_and_results_on_warm_ranks():
+    f = distributed(_echo_large, keep_warm=60, **CPU)
+    blob = os.urandom(100 * 1024 * 1024)
+    for _ in range(2):
+        out = f.distributed(blob)
+        assert out[0] == blob[::-1] and out[1] == b"ok"
+
+
+def _fails_on_call(n: int) -> int:
+    if n == 2 and runtime.get_global_rank() == 1:
+        raise ValueError("bad batch")
+    return os.getpid()
+
+
+def test_a_failing_call_discards_the_ranks():
+    f = distributed(_fails_on_call, keep_warm=60, **CPU)
+    first = f.distributed(1)
+    with pytest.raises(ValueError, match="bad batch"):
+        f.distributed(2)
+    third = f.distributed(3)
+    assert set(first).isdisjoint(third)  # the next call starts cold
+
+
+def test_idle_ranks_stop_after_keep_warm():
+    import psutil
+
+    f = distributed(_all_reduce_and_pid, keep_warm=1, **CPU)
+    first = pids(f.distributed(1))
+    deadline = time.monotonic() + 15
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in first):
+        assert time.monotonic() < deadline, "idle warm ranks did not stop"
+        time.sleep(0.2)
+    assert set(pids(f.distributed(2))).isdisjoint(first)
+
+
+def test_same_placement_shares_ranks_and_another_placement_does_not():
+    f = distributed(_all_reduce_and_pid, keep_warm=60, **CPU)
+    g = distributed(_fails_on_call, keep_warm=60, **CPU)  # another function, same placement
+    a = pids(f.distributed(1))
+    assert g.distributed(1) == a
+    one = distributed(_all_reduce_and_pid, keep_warm=60, **{**CPU, "gpus": 1})
+    assert set(pids(one.distributed(1))).isdisjoint(a)
+    assert f.shutdown() >= 1
+
+
+def _own_process_group(x: int) -> tuple[int, float]:
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()  # user code that tears its group down itself
+    return os.getpid(), t.item()
+
+
+def test_user_code_that_inits_and_destroys_its_process_group_still_works():
+    f = distributed(_own_process_group, keep_warm=60, **CPU)
+    a, b = f.distributed(1), f.distributed(2)
+    assert [r[1] for r in a + b] == [2.0] * 4 and pids(a) == pids(b)
+
+
+CALLER = textwrap.dedent("""
+    import os, sys, time
+    from gpufleet import distributed, runtime
+
+    def pid_then_wait(wait):
+        import os, time
+        time.sleep(wait)
+        return os.getpid()
+
+    f = distributed(pid_then_wait, gpus=2, gpu_type="cpu", tracking=False, stream_logs=False, keep_warm=60)
+    print("PIDS", *f.distributed(0), flush=True)
+    if sys.argv[1] == "kill":
+        os.kill(os.getpid(), 9)
+    try:
+        f.distributed(60)
+    except KeyboardInterrupt:
+        print("INTERRUPTED", flush=True)
+""")
+
+
+@pytest.mark.parametrize("how", ["kill", "interrupt"])
+def test_a_killed_or_interrupted_caller_leaves_no_warm_rank(tmp_path, how):
+    import psutil
+
+    script = tmp_path / "caller.py"
+    script.write_text(CALLER)
+    proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))  # fmt: skip
+    line = proc.stdout.readline()
+    assert line.startswith("PIDS"), line
+    ranks = [int(p) for p in line.split()[1:]]
+    if how == "interrupt":
+        time.sleep(2.0)  # inside the second call
+        proc.send_signal(signal.SIGINT)
+        assert "INTERRUPTED" in proc.stdout.read()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in ranks):
+        assert time.monotonic() < deadline, f"warm ranks left after the caller was {how}ed"
+        time.sleep(0.2)
+
+
+def test_the_same_notebook_cell_three_times_reuses_the_workers():
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "from gpufleet import distributed, runtime\n"
+            "@distributed(gpus=2, gpu_type='cpu', tracking=False, stream_logs=False)\n"
+            "def where():\n    import os\n    return os.getpid()\n"
+        ),
+        *[nbformat.v4.new_code_cell("print('PIDS', where.distributed())") for _ in range(3)],
+        nbformat.v4.new_code_cell("import gpufleet; print('STOPPED', gpufleet.shutdown_workers())"),
+    ]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    NotebookClient(nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": root}}).execute()
+    outs = ["".join(o.get("text", "") for o in c.outputs) for c in nb.cells]
+    seen = [o.strip() for o in outs[1:4]]
+    assert seen[0].startswith("PIDS") and seen[0] == seen[1] == seen[2]  # keep_warm is on in a kernel
+    assert "STOPPED 1" in outs[4]
+
+
+def test_keep_warm_is_checked():
+    for bad in (-1, float("nan"), "600"):
+        with pytest.raises(errors.LaunchConfigError, match="keep_warm must be"):
+            distributed(_all_reduce_and_pid, keep_warm=bad, **CPU)
