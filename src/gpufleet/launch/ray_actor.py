@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -169,7 +170,7 @@ class RankProcess(ChildProcess):
         ``payload`` is the launch spec's payload as it is (``fast_exit`` included); its import
         paths are the caller's, which mean nothing here, so the actor's own are used.
         """
-        Payload(payload.call, (), payload.fast_exit).write(self.run_dir.payload)
+        replace(payload, sys_path=()).write(self.run_dir.payload)
         full_env = dict(os.environ)
         full_env.update(env)
         full_env.update(default_threads(full_env, int(env.get("LOCAL_WORLD_SIZE", "1"))))

@@ -80,11 +80,14 @@ class Payload:
         call: ``cloudpickle.dumps((func, args, kwargs))``.
         sys_path: import paths of the caller that the worker appends to its own.
         fast_exit: end the worker without module teardown once its outcome is written.
+        sources: source text of the code sent by value (a script, notebook cells), by file name,
+            for the worker's ``linecache`` (:mod:`gpufleet.launch.tracebacks`).
     """
 
     call: bytes
     sys_path: tuple[str, ...] = ()
     fast_exit: bool = True
+    sources: Mapping[str, str] = field(default_factory=dict)
 
     def write(self, path: Path) -> None:
         """Write the payload file (0600): a small pickled header, then the call's bytes as they are.
@@ -92,7 +95,10 @@ class Payload:
         The call is not pickled a second time, so a large argument is not copied again here or
         in the worker that reads it.
         """
-        header = {"sys_path": list(self.sys_path), "fast_exit": self.fast_exit, "call_size": len(self.call)}
+        header = {
+            "sys_path": list(self.sys_path), "fast_exit": self.fast_exit, "call_size": len(self.call),
+            "sources": dict(self.sources),
+        }  # fmt: skip
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             pickle.dump(header, f, protocol=pickle.HIGHEST_PROTOCOL)
@@ -106,7 +112,7 @@ class Payload:
             call = f.read()
         if len(call) != header["call_size"]:
             raise ValueError(f"the payload file {path} is cut short ({len(call)} of {header['call_size']} bytes)")
-        return cls(call, tuple(header["sys_path"]), bool(header["fast_exit"]))
+        return cls(call, tuple(header["sys_path"]), bool(header["fast_exit"]), dict(header.get("sources", {})))
 
 
 @dataclass(frozen=True)
