@@ -56,6 +56,34 @@ def test_a_main_script_rank_traceback_has_the_script_path_and_source_lines(tmp_p
     assert "ValueError: batch has no labels: None" in local
 
 
+WARM_SCRIPT = """
+from gpufleet import distributed
+
+
+@distributed(gpus=1, gpu_type="cpu", tracking=False, keep_warm=True)
+def step(n):
+    if n > 1:
+        raise RuntimeError(f"step {n} went wrong")
+    return n
+
+
+if __name__ == "__main__":
+    print(step.distributed(1))
+    step.distributed(2)
+"""
+
+
+def test_a_warm_rank_traceback_has_the_source_lines_too(tmp_path: Path) -> None:
+    script = tmp_path / "warm_steps.py"
+    script.write_text(WARM_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "GPUFLEET_TRACKING": "0"},
+    )  # fmt: skip
+    assert done.returncode == 1 and done.stdout.startswith("[1]"), done
+    assert f'File "{script}", line 8, in step\n    raise RuntimeError(f"step {{n}} went wrong")' in done.stderr, done.stderr
+
+
 NOTEBOOK_CELLS = [
     "from gpufleet import distributed\nimport traceback",
     '''

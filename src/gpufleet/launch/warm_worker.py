@@ -25,6 +25,7 @@ from typing import Any
 from ..results import RunDir
 from . import worker
 from .spec import PARENT_PID_ENV, Payload
+from .tracebacks import register_sources
 
 #: Printed alone on a line of stdout and of stderr after each job.
 JOB_END = "\x1egpufleet-job-end"
@@ -105,6 +106,7 @@ def serve(control_dir: Path, rank: int) -> int:
         for entry in payload.sys_path:
             if entry not in sys.path:
                 sys.path.append(entry)
+        register_sources(payload.sources)  # tracebacks show the lines of code sent by value
         call = worker.load_call(payload.call, rank, run_dir.outcome(rank))
         del payload
         if call is not None:
