@@ -147,3 +147,29 @@ def test_fast_exit_setting_reaches_ray_ranks(two_nodes, tmp_path, fast_exit):
     time.sleep(0.5 if not fast_exit else 3.0)
     # fast_exit=False: a normal interpreter shutdown finalises module globals; True skips it
     assert len(list(marks.iterdir())) == (0 if fast_exit else 2)
+
+
+def _rank_1_sleeps_outside_the_collective() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from gpufleet import runtime
+
+    runtime.setup()
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if runtime.get_global_rank() == 1:
+        time.sleep(600)  # rank 1 never comes to collective #2
+    dist.all_reduce(t)
+
+
+def test_the_hang_watchdog_on_ray_names_the_missing_rank(two_nodes, tmp_path):
+    f = distributed(
+        _rank_1_sleeps_outside_the_collective, gpus=2, gpu_type="cpu", remote=two_nodes.address,
+        runs_dir=str(tmp_path), tracking=False, hang_timeout=4.0, grace_period_s=1.0, timeout=120,
+    )
+    with pytest.raises(errors.DistributedHangError) as info:
+        f.distributed()
+    text = str(info.value)
+    assert "rank 1 missing from all_reduce #2 [[4]], which rank 0 waits in" in text
+    assert "time.sleep(600)" in text and info.value.rank == 1

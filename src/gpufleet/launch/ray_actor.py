@@ -125,7 +125,14 @@ class ChildProcess:
         with self._cond:
             lines, self._lines = self._lines, []
             dropped, self._dropped = self._dropped, 0
-        return {"lines": lines, "exit_code": code, "outcome": outcome, "dropped": dropped}
+        return {"lines": lines, "exit_code": code, "outcome": outcome, "dropped": dropped, "progress": self._progress()}
+
+    def _progress(self) -> dict[str, Any] | None:
+        return None
+
+    def stacks(self, timeout_s: float = 3.0) -> str | None:
+        """The child's stack of every thread, now (a gpufleet rank with the hang watchdog on), or None."""
+        return None
 
     def dump_stacks(self) -> None:
         """Make the worker print every thread's stack into its log (faulthandler, SIGUSR1)."""
@@ -186,6 +193,31 @@ class RankProcess(ChildProcess):
         if env.get("LOCAL_RANK") == "0":  # one sampler per node: its first rank's actor
             self._sample_node(full_env, f"node{env.get('NODE_RANK', '0')}")
         return pid
+
+    def _progress(self) -> dict[str, Any] | None:
+        from .progress import read_progress
+
+        return read_progress(self.dir, self.rank)
+
+    def stacks(self, timeout_s: float = 3.0) -> str | None:
+        import time
+
+        from .progress import STACKS_SIGNAL
+
+        path = self.dir / f"stacks-{self.rank}.txt"
+        if self._proc is None or self._proc.poll() is not None or not (self.dir / f"progress-{self.rank}.json").exists():
+            return None
+        size = path.stat().st_size if path.exists() else 0
+        os.kill(self._proc.pid, STACKS_SIGNAL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if path.exists() and path.stat().st_size > size:
+                time.sleep(0.1)
+                with open(path, "rb") as f:
+                    f.seek(size)
+                    return f.read().decode("utf-8", "replace")
+            time.sleep(0.05)
+        return None
 
     def _outcome(self) -> dict[str, Any] | None:
         if self._outcome_sent:

@@ -129,6 +129,7 @@ class RayWorkerGroup(WorkerGroup):
         self._failures: dict[int, RankFailure] = {}
         self._outcomes: dict[int, dict[str, Any]] = {}
         self._polls: dict[Any, int] = {}
+        self._progress: dict[int, dict[str, Any]] = {}
         self._unreachable_since: dict[int, float] = {}
         self._closed = False
 
@@ -239,7 +240,24 @@ class RayWorkerGroup(WorkerGroup):
         self._polls[self._actors[rank].poll.remote(self._POLL_WAIT_S)] = rank
 
     def _status(self) -> GroupStatus:
-        return GroupStatus(self._num_ranks, dict(self._results), dict(self._failures), started=self._scheduled)
+        return GroupStatus(self._num_ranks, dict(self._results), dict(self._failures), started=self._scheduled,
+                           progress=dict(self._progress))  # fmt: skip
+
+    def stacks(self, timeout_s: float = 3.0) -> dict[int, str]:
+        """Every live rank's threads, dumped on its node and sent back by its actor."""
+        if not self._actors:
+            return {}
+        refs = {a.stacks.remote(timeout_s): r for r, a in enumerate(self._actors)}
+        ready, _ = self._ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s + 5.0)
+        found: dict[int, str] = {}
+        for ref in ready:
+            try:
+                text = self._ray.get(ref)
+            except Exception:  # noqa: BLE001 - a lost actor has no stack to give
+                continue
+            if text:
+                found[refs[ref]] = text
+        return found
 
     def poll(self, wait_s: float) -> GroupStatus:
         if not self._scheduled:
@@ -294,6 +312,8 @@ class RayWorkerGroup(WorkerGroup):
     def _absorb(self, rank: int, report: dict[str, Any]) -> bool:
         """Take one poll report of ``rank``; True once the rank has its final record."""
         self._write(rank, report)
+        if report.get("progress"):
+            self._progress[rank] = report["progress"]
         if report["outcome"] is not None:
             self._outcomes[rank] = report["outcome"]
         rec = self._outcomes.get(rank)
