@@ -79,7 +79,7 @@ def test_torchrun_workload_watched_and_inspected(project: Path, home: Path, caps
     assert code == 0, err
     run_id = out.splitlines()[0]
     for rank in (0, 1):
-        assert f"[node 0] rank={rank} sum=3.0 lr=0.5" in out
+        assert f"[node 0] [rank {rank}] rank={rank} sum=3.0 lr=0.5" in out  # each rank's lines prefixed
     assert "NUM_NODES=1 NODE_RANK=0 WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1" in out
     assert "PYTHONUNBUFFERED=1 GPUFLEET_ATTEMPT=1 in_snapshot=True" in out
     assert "SUCCESS" in err

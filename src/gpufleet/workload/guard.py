@@ -5,6 +5,9 @@ session. It waits for the command and exits with its exit code. If the superviso
 (even by SIGKILL) it notices within a fraction of a second, terminates every process of its
 group (the command and whatever it started), and kills those that do not stop.
 
+The ranks torchrun starts write into files of a private folder, and the guard writes their
+lines into the node's log whole, each prefixed with its rank (:mod:`gpufleet.workload.ranklines`).
+
 Kept free of third-party imports so it starts in a few milliseconds; a Ray node runs it by
 file path (``python .../workload/guard.py``), so it imports its one helper either way.
 """
@@ -18,8 +21,10 @@ import sys
 
 if __package__:
     from .procgroup import terminate_group
+    from .ranklines import RankLines
 else:  # run by path: this file's folder is the first entry of sys.path
     from procgroup import terminate_group  # type: ignore[no-redef]
+    from ranklines import RankLines  # type: ignore[no-redef]
 
 _POLL_S = 0.25
 _GRACE_S = 5.0
@@ -44,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     # so that its exit code is reported.
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
+    rank_lines = RankLines.for_node(os.environ, sys.stdout.fileno())
+    if rank_lines is not None:  # torchrun's ranks write into files; their lines reach the log whole
+        os.environ.update(rank_lines.child_env())
+        rank_lines.start()
     child = subprocess.Popen(command)
     while True:
         try:
@@ -56,8 +65,12 @@ def main(argv: list[str] | None = None) -> int:
                 print("gpufleet: the run's supervisor died; stopping this node", file=sys.stderr, flush=True)
             except OSError:
                 pass
+            if rank_lines is not None:
+                rank_lines.stop()
             _stop_group()
             return 1
+    if rank_lines is not None:
+        rank_lines.stop()  # the ranks' last lines, then the folder goes
     return code if code >= 0 else 128 - code
 
 
