@@ -247,9 +247,8 @@ class DistributedFunction:
                 return RayWorkerGroup(spec, RunDir.create(opts.runs_dir, spec.run_id), ray_placement, logs)
         else:
             from .launch.gpus import resolve_local
-            from .launch.local import LocalPlacement, LocalWorkerGroup
-
             from .launch.leases import call_gpu_request
+            from .launch.local import LocalPlacement, LocalWorkerGroup
 
             found = resolve_local(opts.gpus, opts.gpu_type)
             lease = call_gpu_request(opts.gpus, opts.gpu_wait, opts.timeout, found.use_gpus)  # GPUs taken at start
@@ -368,7 +367,10 @@ def distributed(
     """Make a function run on every GPU (or CPU worker) of this machine or a Ray cluster.
 
     Args:
-        gpus: number of worker processes, one per GPU; ``None`` = every visible GPU.
+        gpus: number of worker processes, one per GPU, taken from the GPUs free on this machine
+            (leased: :mod:`gpufleet.launch.leases`); a list of GPU indices names them; ``None`` =
+            every free GPU. Too few free: the call waits up to ``gpu_wait`` seconds (option;
+            default 300 in a notebook, else the timeout), then raises ``GPUUnavailableError``.
         gpu_type: GPU model that must be present (``"H100"``, ``"a100"``, ...), or ``"cpu"``
             for CPU worker processes using gloo.
         remote: ``False`` runs here; a Ray address (or ``True`` with ``RAY_ADDRESS`` set)

@@ -1,4 +1,4 @@
-"""The ``gpufleet`` command line: run/get/list/logs/cancel/validate/advise/doctor.
+"""The ``gpufleet`` command line: run/get/list/logs/cancel/ps/validate/advise/doctor.
 
 Each command group lives in its own module and registers its subcommands here through an
 ``add_parsers(subparsers)`` function; this file only wires them together.
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 # module path -> the commands it adds (its add_parsers(subparsers) registers them)
 _COMMAND_MODULES = {
     "gpufleet.workload.commands": ("run", "get", "list", "logs", "cancel", "validate", "schema"),
+    "gpufleet.workload.ps": ("ps",),
     "gpufleet.strategies.advisor_cli": ("advise",),
     "gpufleet.doctor": ("doctor",),
     "gpufleet.stacks": ("stacks",),

@@ -86,7 +86,7 @@ def test_cli_surface_is_pinned():
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert set(sub.choices) == {"run", "get", "list", "logs", "cancel", "validate", "schema", "advise", "doctor", "stacks"}
+    assert set(sub.choices) == {"run", "get", "list", "logs", "cancel", "validate", "schema", "advise", "doctor", "stacks", "ps"}
 
 
 def test_every_gpufleet_exception_is_a_gpufleet_error():

@@ -43,11 +43,25 @@ _active: weakref.WeakSet[Controller] = weakref.WeakSet()
 
 @atexit.register
 def _stop_active() -> None:
-    """A caller that exits stops its runs (a submitted run must not outlive it unseen)."""
+    """A caller that exits stops its runs (a submitted run must not outlive it unseen), saying so on stderr."""
     for controller in list(_active):
+        if not controller.finished.is_set():
+            print(exiting_message(controller), file=sys.stderr, flush=True)
         controller.cancel("the calling process is exiting", grace_period_s=1.0)
     for controller in list(_active):
         controller.finished.wait(5.0)
+
+
+def exiting_message(controller: Controller) -> str:
+    """What a program that ends with a run still going prints: the run, and how to keep it."""
+    group = controller.group
+    run_id = group.run_id if group is not None else "(not started yet)"
+    return (
+        f"gpufleet: the program is exiting while run {run_id} is still {controller.state}; stopping every rank "
+        "of it now. To let it finish, wait for it before the program ends (`handle.result()`), or start it "
+        "with `submit(..., detach=True)`: it then runs on without this process (follow it with "
+        "`gpufleet logs RUN_ID --follow`)."
+    )
 
 
 class ControllerCallback:
@@ -55,6 +69,9 @@ class ControllerCallback:
 
     An exception raised by a hook is logged and never changes the run's outcome.
     """
+
+    def attach(self, controller: Controller) -> None:
+        """The controller this callback serves (made once, before any attempt): e.g. to cancel it."""
 
     def before_start(self, group: WorkerGroup, attempt: int) -> None:
         """The group exists and has not started: it still takes environment (``add_env``)."""
@@ -141,8 +158,18 @@ class Controller:
         self.values: list[Any] | None = None
         self.error: BaseException | None = None
         self.outcomes: list[AttemptOutcome] = []
+        for callback in self._callbacks:
+            try:
+                getattr(callback, "attach", lambda _: None)(self)
+            except Exception as e:  # a hook never stops a run
+                logger.warning("attach hook of %s failed: %s", type(callback).__name__, e)
 
     # -- public ---------------------------------------------------------------------------
+    def add_callback(self, callback: ControllerCallback) -> None:
+        """One more hook around each attempt (before the first one starts)."""
+        self._callbacks.append(callback)
+        callback.attach(self)
+
     def start(self) -> WorkerGroup:
         """Start the first attempt now (a wrong setting raises here, before anything runs)."""
         _active.add(self)

@@ -99,9 +99,26 @@ def _apply_visible_devices(gpus: list[GPUInfo]) -> list[GPUInfo]:
     return picked
 
 
+#: Test override of discovery: ``GPUFLEET_FAKE_GPUS=N`` makes this machine have N fake GPUs
+#: (named ``Fake GPU``, uuids ``GPU-fake-0000``...), leased like real ones; nothing touches CUDA.
+FAKE_GPUS_ENV = "GPUFLEET_FAKE_GPUS"
+
+
+def fake_gpus() -> list[GPUInfo] | None:
+    """The fake GPUs of ``$GPUFLEET_FAKE_GPUS`` (None when it is not set)."""
+    value = os.environ.get(FAKE_GPUS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise LaunchConfigError(f"{FAKE_GPUS_ENV} must be a number of fake GPUs, got {value!r}")
+    return [GPUInfo(i, "Fake GPU", f"GPU-fake-{i:04d}", 80 << 30) for i in range(int(value))]
+
+
 def list_gpus() -> list[GPUInfo]:
     """GPUs visible to this process (respecting ``CUDA_VISIBLE_DEVICES``), without CUDA."""
-    gpus = _query_nvml()
+    gpus = fake_gpus()
+    if gpus is None:
+        gpus = _query_nvml()
     if gpus is None:
         gpus = _query_nvidia_smi() or []
     return _apply_visible_devices(gpus)
@@ -126,10 +143,18 @@ class Placement:
     gpu_name: str = ""
 
 
-def resolve_local(gpus: int | None, gpu_type: str | None) -> Placement:
-    """Check ``gpus``/``gpu_type`` against this machine before anything starts."""
+def resolve_local(gpus: int | tuple[int, ...] | None, gpu_type: str | None) -> Placement:
+    """Check ``gpus``/``gpu_type`` against this machine before anything starts.
+
+    ``gpus`` is a count, None (every GPU) or a tuple of GPU indices (named GPUs, checked to be
+    visible). Which GPUs a run gets is decided when it starts, by its lease
+    (:mod:`gpufleet.launch.leases`).
+    """
+    named = gpus if isinstance(gpus, tuple) else None
+    if named is not None and named and all(isinstance(i, int) and not isinstance(i, bool) for i in named):
+        gpus = len(named)
     if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
-        raise LaunchConfigError(f"gpus must be a positive integer or None, got {gpus!r}")
+        raise LaunchConfigError(f"gpus must be a positive integer, a list of GPU indices or None, got {gpus!r}")
     if gpu_type is not None and (not isinstance(gpu_type, str) or not gpu_type.strip()):
         raise LaunchConfigError(
             f"gpu_type must be a GPU model such as 'H100' or 'cpu', got {gpu_type!r}"
@@ -145,6 +170,8 @@ def resolve_local(gpus: int | None, gpu_type: str | None) -> Placement:
                 "for speed; more workers only make sense to test a larger world size.",
                 RuntimeWarning, stacklevel=4,
             )
+        if named is not None:
+            raise LaunchConfigError("gpus as a list of GPU indices needs GPUs; with gpu_type='cpu' give a count")
         return Placement(num_workers=gpus, use_gpus=False)
     found = list_gpus()
     if not found:
@@ -169,6 +196,15 @@ def resolve_local(gpus: int | None, gpu_type: str | None) -> Placement:
             "remote=<address>."
         )
     chosen = found[:gpus]
+    if named is not None:
+        by_index = {g.index: g for g in found}
+        missing = [i for i in named if i not in by_index]
+        if missing:
+            raise GPUUnavailableError(
+                f"gpus={list(named)} names GPU(s) {', '.join(map(str, missing))}, which this process does not see "
+                f"(visible: {', '.join(str(g.index) for g in found)})"
+            )
+        chosen = [by_index[i] for i in named]
     return Placement(
         num_workers=gpus,
         use_gpus=True,

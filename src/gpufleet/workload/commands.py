@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..states import CANCELED, FAILED, SUCCESS, TIMEDOUT, RunState
+from .ps import add_list_filters, list_filters
 
 EXIT_CODES = {SUCCESS: 0, FAILED: 1, TIMEDOUT: 124, CANCELED: 130}
 EXIT_INVALID = 2
@@ -66,8 +67,9 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     _common(p)
     p.set_defaults(handler=cmd_get)
 
-    p = subparsers.add_parser("list", help="list runs (active ones unless --all-status)")
+    p = subparsers.add_parser("list", help="list runs: workloads and @distributed calls (active ones unless --all-status)")
     p.add_argument("--all-status", action="store_true", help="include finished runs")
+    add_list_filters(p)
     p.add_argument("--limit", type=int, default=20, help="at most this many runs, newest first (default 20; 0 = all)")
     p.add_argument(
         "--filter",
@@ -81,7 +83,7 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
 
     p = subparsers.add_parser("logs", help="print (or follow) a run's per-node logs")
     p.add_argument("run_id", help="run id (or a unique prefix of at least 6 characters)")
-    p.add_argument("--node", type=int, default=None, help="only this node rank")
+    p.add_argument("--node", "--rank", type=int, default=None, help="only this node rank (a call: this rank)")
     p.add_argument("--attempt", type=int, default=None, help="only this attempt (default: all)")
     p.add_argument("--lines", type=int, default=None, help="only the last N lines of each log")
     p.add_argument("--follow", action="store_true", help="keep printing new lines until the run ends")
@@ -267,6 +269,10 @@ def cmd_list(args: argparse.Namespace) -> int:
             return _error(f"a filter is KEY=VALUE, got {item!r}", args, EXIT_INVALID)
         k, v = item.split("=", 1)
         filters[k.strip()] = v.strip()
+    try:
+        filters.update(list_filters(args))
+    except ValueError as e:
+        return _error(str(e), args, EXIT_INVALID)
     if "state" in filters or "status" in filters:
         wanted = (filters.get("state") or filters.get("status") or "").upper().split(",")
         bad = [s for s in wanted if s not in STATES]
@@ -308,6 +314,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
         run = get_run(store, args.run_id)
     except RunNotFoundError as e:
         return _not_found(e, args)
+    if args.node is not None and run.is_call and not 0 <= args.node < run.log_units:
+        return _error(f"--node {args.node}: run {run.id} is a call with ranks 0..{run.log_units - 1}", args, EXIT_INVALID)
     if args.node is not None and not 0 <= args.node < run.command_nodes:
         if run.command_nodes == 1 < run.num_nodes:
             return _error(f"--node {args.node}: run {run.id} is a Ray driver run; its command ran once, as "
@@ -321,10 +329,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
         files = [("environment", run_dir / "environment.log"), ("supervisor", run_dir / "supervisor.log")]
     else:
         files = [
-            (f"attempt {a.attempt} node {n}", Path(a.log_dir) / f"node-{n}.log")
+            (f"attempt {a.attempt} {run.log_name} {n}", Path(a.log_dir) / f"{run.log_name}-{n}.log")
             for a in run.attempts
             if args.attempt is None or a.attempt == args.attempt
-            for n in range(run.command_nodes)
+            for n in range(run.log_units)
             if args.node is None or n == args.node
         ]
     if args.follow and not args.setup:
@@ -436,6 +444,8 @@ def _signal_supervisor(run: Any) -> bool:
     from .store import RUNNING
 
     if run.state != RUNNING or not run.supervisor_pid or not pid_alive(run.supervisor_pid, run.supervisor_started):
+        return False
+    if run.is_call:  # its "supervisor" is the caller (a notebook kernel, say): it reads the stored request
         return False
     try:
         os.kill(run.supervisor_pid, signal.SIGTERM)  # wakes it at once

@@ -167,7 +167,9 @@ def needs_cluster(config: WorkloadConfig) -> bool:
 def create_executor(config: WorkloadConfig) -> NodeExecutor:
     """The executor for a workload: local for one node here, Ray for a cluster."""
     if not needs_cluster(config):
-        return LocalExecutor()
+        from .leasing import local_executor
+
+        return local_executor(config)  # a GPU workload leases its GPUs first
     try:
         module = importlib.import_module(RAY_EXECUTOR_MODULE)
     except ModuleNotFoundError as e:

@@ -93,7 +93,7 @@ class AttemptRecord:
 
 @dataclass
 class RunRecord:
-    """One workload run as stored."""
+    """One run as stored: a workload run, or one attempt of a ``@distributed`` call (``kind``)."""
 
     id: str
     experiment: str
@@ -115,7 +115,28 @@ class RunRecord:
     cancel_requested: bool = False
     exit_code: int | None = None
     message: str | None = None
+    #: ``workload`` (``gpufleet run``) or ``call`` (one attempt of a ``@distributed`` call, see :mod:`gpufleet.registry`).
+    kind: str = "workload"
+    #: Where the run came from: ``path`` (script, notebook or workload file), ``host``, ``user``, ``pid``.
+    origin: dict[str, Any] = field(default_factory=dict)
+    #: What it got: ``host``, ``gpus`` (indices on that host), ``gpu_name``, ``nodes`` (Ray hosts).
+    placement: dict[str, Any] = field(default_factory=dict)
     attempts: list[AttemptRecord] = field(default_factory=list)
+
+    @property
+    def is_call(self) -> bool:
+        """Whether the run is an attempt of a ``@distributed`` call (its logs are ``rank-R.log``)."""
+        return self.kind == "call"
+
+    @property
+    def log_name(self) -> str:
+        """What one log file belongs to: ``rank`` (a call) or ``node`` (a workload)."""
+        return "rank" if self.is_call else "node"
+
+    @property
+    def log_units(self) -> int:
+        """How many ``<log_name>-N.log`` files an attempt writes: a call's ranks, a workload's command nodes."""
+        return self.world_size if self.is_call else self.command_nodes
 
     @property
     def command_nodes(self) -> int:
@@ -144,4 +165,6 @@ class RunRecord:
         d["duration_s"] = self.duration_s
         d["mlflow_run_ids"] = self.mlflow_run_ids()
         d["log_paths"] = self.attempts[-1].log_paths() if self.attempts else []
+        if self.is_call:
+            d["log_paths"] = [str(Path(self.run_dir) / f"rank-{r}.log") for r in range(self.world_size)]
         return d

@@ -11,7 +11,8 @@ the CLI; the supervisor waits far longer), and ``on_busy`` is told once per wait
 bound it raises :class:`StoreBusyError`; a damaged or unusable file raises
 :class:`StoreError`.
 
-Reads only read (opening the store writes only when it has no tables yet). A run whose
+Reads only read (opening the store writes only when it has no tables yet, or an older schema
+version to migrate: :mod:`gpufleet.workload.migrations`; a newer one is refused). A run whose
 supervisor died is found, marked FAILED and stopped by :mod:`gpufleet.workload.liveness`,
 which the CLI commands read runs through.
 """
@@ -44,6 +45,7 @@ from ..states import (  # noqa: F401 - re-exported for the workload modules
     TIMEDOUT,
     RunState,
 )
+from .migrations import SCHEMA_VERSION, SchemaVersionError, check_version, migrate, schema_version
 from .records import AttemptRecord, RunRecord
 
 __all__ = [
@@ -62,47 +64,6 @@ MIN_PREFIX = 6
 _BUSY_SLICE_MS = 250
 _MAX_BACKOFF_S = 1.0
 _T = TypeVar("_T")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS runs (
-    id TEXT PRIMARY KEY,
-    experiment TEXT NOT NULL,
-    state TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    started_at REAL,
-    ended_at REAL,
-    idempotency_key TEXT UNIQUE,
-    workload_path TEXT,
-    config TEXT NOT NULL,
-    run_dir TEXT NOT NULL,
-    num_nodes INTEGER NOT NULL,
-    world_size INTEGER NOT NULL,
-    max_attempts INTEGER NOT NULL,
-    tracking INTEGER NOT NULL DEFAULT 1,
-    supervisor_pid INTEGER,
-    supervisor_started REAL,
-    heartbeat_at REAL,
-    cancel_requested INTEGER NOT NULL DEFAULT 0,
-    exit_code INTEGER,
-    message TEXT
-);
-CREATE INDEX IF NOT EXISTS runs_state ON runs (state);
-CREATE INDEX IF NOT EXISTS runs_created ON runs (created_at);
-CREATE TABLE IF NOT EXISTS attempts (
-    run_id TEXT NOT NULL REFERENCES runs (id),
-    attempt INTEGER NOT NULL,
-    state TEXT NOT NULL,
-    started_at REAL NOT NULL,
-    ended_at REAL,
-    exit_code INTEGER,
-    mlflow_run_id TEXT,
-    log_dir TEXT NOT NULL,
-    nodes TEXT NOT NULL DEFAULT '[]',
-    message TEXT,
-    PRIMARY KEY (run_id, attempt)
-);
-"""
-
 
 class RunNotFoundError(GpufleetError, LookupError):
     """No run has this id (or the id given is not one a run can be found by: see :class:`RunIdError`)."""
@@ -133,8 +94,10 @@ _RUN_COLUMNS = [
     "id", "experiment", "state", "created_at", "started_at", "ended_at", "idempotency_key",
     "workload_path", "config", "run_dir", "num_nodes", "world_size", "max_attempts", "tracking",
     "supervisor_pid", "supervisor_started", "heartbeat_at", "cancel_requested", "exit_code",
-    "message",
+    "message", "kind", "origin", "placement",
 ]  # fmt: skip
+#: Columns stored as JSON text.
+_JSON_COLUMNS = ("config", "origin", "placement")
 
 # SQLite's primary result codes (``sqlite3.Error.sqlite_errorcode & 0xff``)
 _SQLITE_PERM, _SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_READONLY = 3, 5, 6, 8
@@ -157,7 +120,8 @@ def _is_busy(e: sqlite3.Error) -> bool:
 def _run_from_row(row: sqlite3.Row) -> RunRecord:
     d = dict(row)
     d["state"] = RunState(d["state"])
-    d["config"] = json.loads(d["config"])
+    for col in _JSON_COLUMNS:
+        d[col] = json.loads(d[col] or "{}")
     d["tracking"] = bool(d["tracking"])
     d["cancel_requested"] = bool(d["cancel_requested"])
     return RunRecord(**d)
@@ -198,14 +162,23 @@ class RunStore:
         self.wait_s = store_wait_s() if wait_s is None else float(wait_s)
         self.on_busy = on_busy
         self._create_file()
-        if not self._call(_has_schema):
-            self._call(_create_schema, write=True, wal=True)
+        self._open_schema()
         self._tighten()
 
     @property
     def runs_dir(self) -> Path:
         """Folder holding one directory per workload run."""
         return self.home / "workloads"
+
+    def _open_schema(self) -> None:
+        """Create the tables of a new store, migrate an older one, refuse a newer one (see :mod:`.migrations`)."""
+        try:
+            version = self._call(schema_version)
+            check_version(version, self.path)
+            if version != SCHEMA_VERSION:
+                self._call(lambda db: migrate(db, self.path), write=True, wal=version == 0)
+        except SchemaVersionError as e:
+            raise StoreError(str(e)) from None
 
     def with_wait(self, wait_s: float) -> RunStore:
         """This store, waiting at most ``wait_s`` seconds for a lock (for writes that may be skipped)."""
@@ -312,7 +285,8 @@ class RunStore:
         """
         values = asdict(record)
         values.pop("attempts")
-        values["config"] = json.dumps(values["config"], sort_keys=True, default=str)
+        for col in _JSON_COLUMNS:
+            values[col] = json.dumps(values[col], sort_keys=True, default=str)
 
         def insert(db: sqlite3.Connection) -> str | None:
             if record.idempotency_key is not None:
@@ -395,6 +369,9 @@ class RunStore:
             if col == "id":
                 where.append("id LIKE ? ESCAPE '\\'")
                 args.append(_like_prefix(value))
+            elif col == "created_at":
+                where.append("created_at >= ?")
+                args.append(float(value))
             elif col == "state":
                 wanted = [v.strip().upper() for v in value.split(",")]
                 where.append(f"state IN ({', '.join('?' for _ in wanted)})")
@@ -416,9 +393,12 @@ class RunStore:
         return {r["state"]: r["n"] for r in rows}
 
     def update_run(self, run_id: str, **fields: Any) -> None:
-        """Set columns of a run."""
+        """Set columns of a run (``origin`` and ``placement`` as dicts)."""
         if not fields:
             return
+        for col in _JSON_COLUMNS:
+            if col in fields:
+                fields[col] = json.dumps(fields[col], sort_keys=True, default=str)
         sets = ", ".join(f"{k} = ?" for k in fields)
         self._call(lambda db: db.execute(f"UPDATE runs SET {sets} WHERE id = ?", [*fields.values(), run_id]), write=True)
 
@@ -497,19 +477,6 @@ class RunStore:
         )  # fmt: skip
 
 
-def _has_schema(db: sqlite3.Connection) -> bool:
-    row = db.execute(
-        "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name IN ('runs', 'attempts')"
-    ).fetchone()
-    return bool(row[0] == 2)
-
-
-def _create_schema(db: sqlite3.Connection) -> None:
-    for statement in _SCHEMA.split(";"):
-        if statement.strip():
-            db.execute(statement)
-
-
 _FILTERABLE = {
     "state": "state",
     "status": "state",
@@ -518,6 +485,9 @@ _FILTERABLE = {
     "id": "id",
     "idempotency_key": "idempotency_key",
     "key": "idempotency_key",
+    "kind": "kind",
+    "name": "experiment",
+    "since": "created_at",
 }
 
 

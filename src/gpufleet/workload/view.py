@@ -88,9 +88,9 @@ class LogFollower:
         for a in run.attempts:
             if self.attempt is not None and a.attempt != self.attempt:
                 continue
-            nodes = [self.node] if self.node is not None else range(run.command_nodes)
+            nodes = [self.node] if self.node is not None else range(run.log_units)
             for n in nodes:
-                out.append((f"[node {n}] ", Path(a.log_dir) / f"node-{n}.log"))
+                out.append((f"[{run.log_name} {n}] ", Path(a.log_dir) / f"{run.log_name}-{n}.log"))
         return out
 
     def read(self, run: RunRecord, final: bool = False) -> Iterator[tuple[str, str]]:
@@ -281,15 +281,16 @@ def follow_logs(
 def runs_table(runs: list[RunRecord], out: IO[str] | None = None) -> None:
     """Print runs as a table (rich on a terminal, tab-separated lines otherwise)."""
     out = out or sys.stdout
-    headers = ["ID", "STATE", "EXPERIMENT", "NODES", "WORLD", "TRIES", "CREATED", "TIME"]
+    headers = ["ID", "STATE", "KIND", "NAME", "NODES", "WORLD", "TRIES", "CREATED", "TIME"]
     rows = [
         [
             r.id,
             r.state,
+            r.kind,
             r.experiment,
             str(r.num_nodes),
             str(r.world_size),
-            f"{len(r.attempts)}/{r.max_attempts}",
+            f"{r.config.get('attempt', 1)}/{r.max_attempts}" if r.is_call else f"{len(r.attempts)}/{r.max_attempts}",
             fmt_time(r.created_at)[5:],  # MM-dd HH:MM:SS
             fmt_duration(r.duration_s),
         ]
@@ -316,6 +317,11 @@ def runs_table(runs: list[RunRecord], out: IO[str] | None = None) -> None:
 def run_details(run: RunRecord, out: IO[str] | None = None) -> None:
     """Print one run's details: state, times, config summary, attempts and log paths."""
     out = out or sys.stdout
+    if run.is_call:
+        from .ps import call_details
+
+        call_details(run, out)
+        return
     c = run.config.get("compute", {})
     lines = [
         ("id", run.id),

@@ -1,0 +1,601 @@
+"""GPU leases: which run uses which GPU of this machine, for every process and user on it.
+
+A run leases its GPUs before its ranks start, and its ranks see only those
+(``CUDA_VISIBLE_DEVICES``). A lease is an exclusive :func:`fcntl.flock` on one lock file per
+GPU (``gpu-<uuid>.lock``) in a machine-wide folder, held by the process that runs the attempt
+(the caller of a ``@distributed`` call, a workload's supervisor). The kernel drops the lock
+when that process ends in any way, ``kill -9`` included, so a dead holder's GPUs are free again
+without any clean-up. The holder writes who it is (run id, kind, pid, user, since) into the
+lock file, which is how a waiting run, ``gpufleet ps`` and :class:`GPUUnavailableError` name it.
+
+A run takes its GPUs all at once or not at all (taking some and waiting for the rest could
+deadlock two runs), retrying every quarter second with jitter until ``wait_s`` has passed.
+There is no queue: the first run to find enough free GPUs gets them. GPUs on which NVML shows
+compute processes that are not this process's own (nor its children's) are busy "outside
+gpufleet" and are not taken (``GPUFLEET_IGNORE_FOREIGN_GPU_PROCESSES=1`` takes them anyway).
+
+The folder: ``$GPUFLEET_LEASE_DIR``, else ``<tmp>/gpufleet-gpu-leases``, created
+``1777`` like ``/tmp`` itself, so every user creates lock files there and none can delete
+another's. Lock files are ``0666`` so that any user can lock them and write their holder; a
+lock file is opened without following symlinks and used only when it is a plain file with a
+single link. With fake GPUs (``GPUFLEET_FAKE_GPUS``, the test override of discovery) the
+default folder is ``$GPUFLEET_HOME/gpu-leases-fake``, so test sessions do not share fake GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import getpass
+import json
+import os
+import random
+import socket
+import stat
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import GPUUnavailableError, LaunchConfigError
+from .gpus import FAKE_GPUS_ENV, GPUInfo, list_gpus
+
+LEASE_DIR_ENV = "GPUFLEET_LEASE_DIR"
+IGNORE_FOREIGN_ENV = "GPUFLEET_IGNORE_FOREIGN_GPU_PROCESSES"
+#: Test override of NVML's process list on fake GPUs: ``"0=1234,1=5678"`` (GPU index = pid).
+FAKE_PROCESSES_ENV = "GPUFLEET_FAKE_GPU_PROCESSES"
+#: Seconds between two tries of a waiting lease (jittered by +-50 %).
+RETRY_S = 0.25
+#: A waiting run says who holds its GPUs once it has waited this long (seconds; a run that ends
+#: frees its GPUs once its ranks have exited, which the next call may wait a moment for)...
+REPORT_AFTER_S = 2.0
+#: ...and again whenever that changes, and at least this often.
+REPORT_EVERY_S = 60.0
+_MAX_INFO = 4096
+
+
+class LeaseDirError(LaunchConfigError):
+    """The machine-wide lease folder (or a lock file in it) cannot be used safely."""
+
+
+def user_name() -> str:
+    """This process's user name (its uid when it has none)."""
+    try:
+        return getpass.getuser()
+    except Exception:  # noqa: BLE001 - no name for this uid (a container)
+        return str(os.geteuid())
+
+
+def _fmt_time(ts: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts)) if time.time() - ts < 86400 else \
+        time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))  # fmt: skip
+
+
+def _fmt_age(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a GPU: the run, its kind (``call`` / ``workload``), the holding process, since when."""
+
+    run_id: str
+    kind: str
+    pid: int = field(default_factory=os.getpid)
+    user: str = field(default_factory=user_name)
+    since: float = field(default_factory=time.time)
+    host: str = field(default_factory=socket.gethostname)
+
+    def describe(self) -> str:
+        return (f"run {self.run_id} ({self.kind}, pid {self.pid}, user {self.user}, since "
+                f"{_fmt_time(self.since)}, {_fmt_age(time.time() - self.since)} ago)")  # fmt: skip
+
+    @classmethod
+    def parse(cls, data: bytes) -> Holder | None:
+        try:
+            d = json.loads(data.decode("utf-8"))
+            return cls(str(d["run_id"]), str(d["kind"]), int(d["pid"]), str(d["user"]), float(d["since"]),
+                       str(d.get("host", "")))  # fmt: skip
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return None
+
+
+@dataclass(frozen=True)
+class ForeignProcess:
+    """A compute process on a GPU that is no gpufleet lease holder's (as NVML reports it)."""
+
+    pid: int
+    name: str = ""
+    user: str = ""
+
+    def describe(self) -> str:
+        if not self.name:
+            return f"pid {self.pid} (not visible from here) outside gpufleet"
+        return f"pid {self.pid} ({self.name}, user {self.user or '?'}) outside gpufleet"
+
+
+@dataclass(frozen=True)
+class GpuUse:
+    """What one GPU is used by now."""
+
+    gpu: GPUInfo
+    held: bool = False
+    holder: Holder | None = None
+    foreign: tuple[ForeignProcess, ...] = ()
+
+    @property
+    def free(self) -> bool:
+        return not self.held and not self.foreign
+
+    def describe(self) -> str:
+        what = []
+        if self.held:
+            what.append(self.holder.describe() if self.holder else "a gpufleet run whose details cannot be read")
+        what.extend(p.describe() for p in self.foreign)
+        return f"GPU {self.gpu.index}: " + ("; ".join(what) or "free")
+
+
+@dataclass(frozen=True)
+class GpuRequest:
+    """What a run asks for: ``count`` GPUs (None: every free one, at least one) or the ``named`` indices.
+
+    ``wait_s``: how long to wait for them (None: without limit, 0: not at all).
+    """
+
+    count: int | None = None
+    named: tuple[int, ...] | None = None
+    wait_s: float | None = None
+
+    def wanted(self) -> str:
+        if self.named is not None:
+            return f"GPU{'s' if len(self.named) > 1 else ''} {', '.join(map(str, self.named))}"
+        if self.count is None:
+            return "every free GPU (at least one)"
+        return f"{self.count} GPU{'s' if self.count > 1 else ''}"
+
+
+# ------------------------------------------------------------------ the folder and its lock files
+
+
+def lease_dir() -> Path:
+    """The machine-wide lease folder, created ``1777`` when missing, checked when present."""
+    value = os.environ.get(LEASE_DIR_ENV)
+    if value:
+        path = Path(value)
+    elif os.environ.get(FAKE_GPUS_ENV):
+        from ..private import private_dir
+        from ..results import gpufleet_home
+
+        path = private_dir(gpufleet_home()) / "gpu-leases-fake"
+    else:
+        path = Path(tempfile.gettempdir()) / "gpufleet-gpu-leases"
+    try:
+        os.makedirs(path.parent, exist_ok=True)
+        os.mkdir(path, 0o1777)
+        os.chmod(path, 0o1777)  # mkdir's mode is filtered by the umask; shared like /tmp
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise LeaseDirError(f"the GPU lease folder {path} cannot be created ({e.strerror}); set {LEASE_DIR_ENV} "
+                            "to a folder every user of the GPUs can write") from e  # fmt: skip
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise LeaseDirError(f"the GPU lease folder {path} is not a folder (a link or a file); remove it, or set "
+                            f"{LEASE_DIR_ENV} to another folder")  # fmt: skip
+    if st.st_uid not in (os.geteuid(), 0) and not st.st_mode & stat.S_ISVTX and st.st_mode & 0o022:
+        raise LeaseDirError(f"the GPU lease folder {path} belongs to uid {st.st_uid} and lets others replace its "
+                            f"files (it is writable without the sticky bit); its owner should `chmod 1777 {path}`")  # fmt: skip
+    return path
+
+
+def _lock_path(folder: Path, gpu: GPUInfo) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in gpu.uuid) or f"index-{gpu.index}"
+    return folder / f"gpu-{safe}.lock"
+
+
+def _open_lock(path: Path) -> int:
+    """Open (or create, 0666) a lock file, never through a link; its fd."""
+    flags = os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = -1
+    for _ in range(5):
+        try:  # an existing file is opened without O_CREAT (fs.protected_regular refuses that for another's file)
+            fd = os.open(path, os.O_RDWR | flags)
+            break
+        except FileNotFoundError:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | flags, 0o666)
+                os.fchmod(fd, 0o666)  # every user locks it and writes their holder into it
+                break
+            except FileExistsError:
+                continue
+        except PermissionError:  # someone made it read-only: it still locks
+            fd = os.open(path, os.O_RDONLY | flags)
+            break
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise LeaseDirError(f"the GPU lock file {path} is a symbolic link; remove it") from e
+            raise LeaseDirError(f"the GPU lock file {path} cannot be opened: {e.strerror}; the folder must be "
+                                f"writable by every user of the GPUs (chmod 1777), or set {LEASE_DIR_ENV}") from e  # fmt: skip
+    if fd < 0:
+        raise LeaseDirError(f"the GPU lock file {path} keeps disappearing; is something deleting it?")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise LeaseDirError(f"the GPU lock file {path} is not a plain file with one link; remove it")
+    return fd
+
+
+def _read_holder(fd: int) -> Holder | None:
+    try:
+        return Holder.parse(os.pread(fd, _MAX_INFO, 0))
+    except OSError:
+        return None
+
+
+def _write_holder(fd: int, holder: Holder) -> None:
+    data = json.dumps(asdict(holder)).encode()
+    with contextlib.suppress(OSError):  # a read-only lock file still locks; its holder is then unnamed
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+
+
+# ------------------------------------------------------------------ processes outside gpufleet
+
+
+def _own_pids() -> set[int]:
+    """This process and its descendants (its own CUDA context and its ranks are not foreign)."""
+    pids = {os.getpid()}
+    try:
+        import psutil
+
+        pids.update(p.pid for p in psutil.Process().children(recursive=True))
+    except Exception:  # noqa: BLE001
+        pass
+    return pids
+
+
+def _describe_pid(pid: int) -> ForeignProcess:
+    try:
+        import psutil
+
+        p = psutil.Process(pid)
+        return ForeignProcess(pid, p.name(), p.username())
+    except Exception:  # noqa: BLE001 - gone, another pid namespace, no access
+        return ForeignProcess(pid)
+
+
+def _nvml_processes(gpus: Sequence[GPUInfo]) -> dict[str, list[int]]:
+    try:
+        import pynvml
+    except ImportError:
+        return {}
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001
+        return {}
+    found: dict[str, list[int]] = {}
+    try:
+        for g in gpus:
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(g.uuid)
+                found[g.uuid] = [int(p.pid) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
+            except Exception:  # noqa: BLE001 - a GPU NVML cannot query counts as having none
+                continue
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+    return found
+
+
+def foreign_processes(gpus: Sequence[GPUInfo]) -> dict[str, tuple[ForeignProcess, ...]]:
+    """Compute processes on each GPU (by uuid) that are not this process's or its children's."""
+    if os.environ.get(IGNORE_FOREIGN_ENV, "").strip() in ("1", "true", "yes"):
+        return {}
+    if os.environ.get(FAKE_GPUS_ENV):
+        by_index: dict[int, list[int]] = {}
+        for item in os.environ.get(FAKE_PROCESSES_ENV, "").split(","):
+            index, _, pid = item.partition("=")
+            if index.strip().isdigit() and pid.strip().isdigit():
+                by_index.setdefault(int(index), []).append(int(pid))
+        pids_of = {g.uuid: by_index.get(g.index, []) for g in gpus}
+    else:
+        pids_of = _nvml_processes(gpus)
+    if not any(pids_of.values()):
+        return {}
+    own = _own_pids()
+    return {uuid: tuple(_describe_pid(p) for p in pids if p not in own) for uuid, pids in pids_of.items()
+            if any(p not in own for p in pids)}  # fmt: skip
+
+
+# ------------------------------------------------------------------ leases
+
+
+class GpuLease:
+    """GPUs this process holds for one run, until :meth:`release` (or until the process ends)."""
+
+    def __init__(self, gpus: list[GPUInfo], fds: list[int], holder: Holder) -> None:
+        self.gpus = gpus
+        self.holder = holder
+        self._fds = fds
+        self._lock = threading.Lock()
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(g.index for g in self.gpus)
+
+    @property
+    def released(self) -> bool:
+        return not self._fds
+
+    def release(self) -> None:
+        """Give the GPUs back (safe to call twice)."""
+        with self._lock:
+            fds, self._fds = self._fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # the next reader sees no stale holder
+            os.close(fd)  # closing the only descriptor drops the flock
+
+    def __enter__(self) -> GpuLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"GpuLease(gpus={list(self.indices)}, run={self.holder.run_id!r}, released={self.released})"
+
+
+def _candidates(request: GpuRequest, gpus: Sequence[GPUInfo]) -> list[GPUInfo]:
+    if request.named is None:
+        return list(gpus)
+    by_index = {g.index: g for g in gpus}
+    missing = [i for i in request.named if i not in by_index]
+    if missing:
+        raise GPUUnavailableError(
+            f"GPU{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} asked for by name "
+            f"{'are' if len(missing) > 1 else 'is'} not visible here (visible: {sorted(by_index) or 'none'})"
+        )
+    return [by_index[i] for i in request.named]
+
+
+def try_lease(
+    request: GpuRequest, holder: Holder, gpus: Sequence[GPUInfo], folder: Path | None = None
+) -> tuple[GpuLease | None, list[GpuUse]]:
+    """One try: the lease when enough GPUs are free now, else None and what keeps the others busy."""
+    folder = folder or lease_dir()
+    candidates = _candidates(request, gpus)
+    need = len(candidates) if request.named is not None else request.count
+    foreign = foreign_processes(candidates)
+    taken: list[tuple[GPUInfo, int]] = []
+    busy: list[GpuUse] = []
+    try:
+        for g in candidates:
+            if need is not None and len(taken) == need:
+                break
+            if foreign.get(g.uuid):
+                busy.append(GpuUse(g, foreign=foreign[g.uuid]))
+                continue
+            fd = _open_lock(_lock_path(folder, g))
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                busy.append(GpuUse(g, held=True, holder=_read_holder(fd)))
+                os.close(fd)
+                continue
+            except BaseException:
+                os.close(fd)
+                raise
+            taken.append((g, fd))
+        enough = bool(taken) if need is None else len(taken) == need
+        if enough:
+            for _, fd in taken:
+                _write_holder(fd, holder)
+            lease = GpuLease([g for g, _ in taken], [fd for _, fd in taken], holder)
+            taken = []
+            return lease, busy
+        return None, busy
+    finally:
+        for _, fd in taken:  # not enough: give back what was taken, all or nothing
+            os.close(fd)
+
+
+def waiting_message(request: GpuRequest, holder: Holder, busy: list[GpuUse], total: int, wait_s: float | None) -> str:
+    """What a waiting run prints: what it wants, and who holds the GPUs it cannot have."""
+    limit = "without a limit" if wait_s is None else f"up to {wait_s:g} s (gpu_wait)"
+    lines = [f"gpufleet: run {holder.run_id} waits for {request.wanted()} ({len(busy)} of {total} busy), {limit}:"]
+    lines += [f"  {use.describe()}" for use in busy]
+    return "\n".join(lines)
+
+
+def unavailable_message(request: GpuRequest, holder: Holder, busy: list[GpuUse], total: int, waited: float) -> str:
+    """The :class:`GPUUnavailableError` of a run that waited in vain, naming the holders."""
+    held = "; ".join(use.describe() for use in busy) or "none is held now"
+    return (
+        f"run {holder.run_id} could not get {request.wanted()} of this machine's {total} after waiting "
+        f"{waited:.1f} s (gpu_wait): {held}. Wait longer (gpu_wait=SECONDS, None: no limit), ask for fewer "
+        "GPUs, or stop one of those runs (`gpufleet ps` shows them; `gpufleet cancel RUN_ID` for your own)"
+    )
+
+
+def acquire(
+    request: GpuRequest,
+    holder: Holder,
+    *,
+    abort: threading.Event | None = None,
+    on_wait: Callable[[str], None] | None = None,
+    gpus: Sequence[GPUInfo] | None = None,
+    canceled: Callable[[], BaseException] | None = None,
+    report_after_s: float | None = None,
+) -> GpuLease:
+    """Lease the GPUs of ``request`` for ``holder``, waiting for them up to ``request.wait_s``.
+
+    Args:
+        abort: set to give up waiting; then ``canceled()`` is raised (a ``RuntimeError`` without it).
+        on_wait: told who holds the GPUs once the run has waited ``report_after_s`` (default
+            :data:`REPORT_AFTER_S`), when that changes and every :data:`REPORT_EVERY_S` seconds.
+        gpus: the GPUs to choose from (default: :func:`~gpufleet.launch.gpus.list_gpus`).
+
+    Raises:
+        GPUUnavailableError: too few GPUs became free within ``wait_s``; it names the holders.
+        LeaseDirError: the lease folder cannot be used.
+    """
+    gpus = list(list_gpus() if gpus is None else gpus)
+    total = len(_candidates(request, gpus))
+    if request.count is not None and request.named is None and request.count > len(gpus):
+        raise GPUUnavailableError(f"gpus={request.count} was asked for, but this machine has {len(gpus)} visible GPU(s)")
+    folder = lease_dir()
+    start = time.monotonic()
+    reported: tuple[Any, ...] | None = None
+    reported_at = 0.0
+    while True:
+        lease, busy = try_lease(request, holder, gpus, folder)
+        if lease is not None:
+            return lease
+        if abort is not None and abort.is_set():
+            raise canceled() if canceled else RuntimeError("canceled while waiting for GPUs")
+        now = time.monotonic()
+        if request.wait_s is not None and now - start >= request.wait_s:
+            raise GPUUnavailableError(unavailable_message(request, holder, busy, total, now - start))
+        key = tuple((u.gpu.index, u.holder.run_id if u.holder else None, u.foreign) for u in busy)
+        due = key != reported or now - reported_at >= REPORT_EVERY_S
+        after = REPORT_AFTER_S if report_after_s is None else report_after_s
+        if on_wait is not None and now - start >= after and due:
+            reported, reported_at = key, now
+            on_wait(waiting_message(request, holder, busy, total, request.wait_s))
+        pause = RETRY_S * random.uniform(0.5, 1.5)
+        if request.wait_s is not None:
+            pause = max(0.0, min(pause, request.wait_s - (now - start)))
+        if abort is not None:
+            abort.wait(pause)
+        else:
+            time.sleep(pause)
+
+
+def gpu_uses(gpus: Sequence[GPUInfo] | None = None) -> list[GpuUse]:
+    """Every GPU of this machine and what uses it now (``gpufleet ps``); never takes a lease."""
+    gpus = list(list_gpus() if gpus is None else gpus)
+    if not gpus:
+        return []
+    folder = lease_dir()
+    foreign = foreign_processes(gpus)
+    uses = []
+    for g in gpus:
+        path = _lock_path(folder, g)
+        held, holder = False, None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            fd = -1  # never leased
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except BlockingIOError:
+                held, holder = True, _read_holder(fd)
+            finally:
+                os.close(fd)
+        uses.append(GpuUse(g, held, holder, foreign.get(g.uuid, ())))
+    return uses
+
+
+# ------------------------------------------------------------------ a local worker group's lease
+
+
+def lease_for_group(group: Any, kind: str = "call") -> None:
+    """Lease the GPUs of a local worker group's ``placement.gpu_request`` before its ranks start.
+
+    Waits (telling stderr who holds them) until they are free, the group's ``abort`` is set
+    (:class:`~gpufleet.launch.group.GroupStartCanceled`) or the request's wait ends
+    (:class:`GPUUnavailableError`). The group's placement then names the leased GPUs, and with
+    ``count=None`` its world size is the number of GPUs it got.
+    """
+    placement = group.placement
+    request = getattr(placement, "gpu_request", None)
+    if not placement.use_gpus or request is None or group.lease is not None:
+        return
+    from .group import GroupStartCanceled
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    lease = acquire(request, Holder(group.run_id, kind), abort=group.abort, on_wait=say,
+                    canceled=lambda: GroupStartCanceled("canceled while it waited for GPUs"))  # fmt: skip
+    group.lease = lease
+    group.placement = dataclasses.replace(placement, gpu_indices=lease.indices)
+    if len(lease.indices) != group.spec.world_size:
+        group.spec = dataclasses.replace(group.spec, world_size=len(lease.indices))
+
+
+def release_group_lease(group: Any) -> None:
+    """Give back a local worker group's GPUs (its ranks are gone); safe to call twice."""
+    lease = getattr(group, "lease", None)
+    if lease is not None:
+        lease.release()
+
+
+# ------------------------------------------------------------------ the settings of a call
+
+#: ``gpu_wait=None`` in a notebook (an interactive kernel): seconds to wait for free GPUs.
+NOTEBOOK_GPU_WAIT_S = 300.0
+
+
+def check_gpu_settings(gpus: Any, gpu_wait: Any, remote: Any = False) -> None:
+    """Reject a wrong ``gpus`` (a count, None, or a list of GPU indices) or ``gpu_wait``."""
+    if isinstance(gpus, tuple):
+        if not gpus or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in gpus) \
+                or len(set(gpus)) != len(gpus):  # fmt: skip
+            raise LaunchConfigError(f"gpus as a list names distinct GPU indices (e.g. [0, 2]), got {list(gpus)!r}")
+        if remote:
+            raise LaunchConfigError("gpus as a list of GPU indices is for runs on this machine; on Ray ask for a count")
+    elif gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
+        raise LaunchConfigError(
+            f"gpus must be a positive integer, a list of GPU indices, or None (every free GPU), got {gpus!r}"
+        )
+    if gpu_wait is not None and (
+        isinstance(gpu_wait, bool) or not isinstance(gpu_wait, (int, float)) or gpu_wait != gpu_wait or gpu_wait < 0
+    ):
+        raise LaunchConfigError(
+            f"gpu_wait must be seconds >= 0 to wait for free GPUs (math.inf: no limit), or None (300 s in a "
+            f"notebook, else up to the timeout); got {gpu_wait!r}"
+        )
+
+
+def interactive() -> bool:
+    """Whether this process is an interactive IPython / Jupyter kernel."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return False
+    try:
+        return ipython.get_ipython() is not None
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def call_gpu_request(gpus: int | tuple[int, ...] | None, gpu_wait: float | None, timeout: float | None,
+                     use_gpus: bool) -> GpuRequest | None:  # fmt: skip
+    """The lease a local call asks for (None on CPU).
+
+    ``gpu_wait=None``: :data:`NOTEBOOK_GPU_WAIT_S` in a notebook, else up to the call's
+    ``timeout`` (no limit without one); ``math.inf``: no limit.
+    """
+    if not use_gpus:
+        return None
+    if gpu_wait is None:
+        wait: float | None = NOTEBOOK_GPU_WAIT_S if interactive() else timeout
+    else:
+        wait = None if gpu_wait == float("inf") else float(gpu_wait)
+    if isinstance(gpus, tuple):
+        return GpuRequest(named=gpus, wait_s=wait)
+    return GpuRequest(count=gpus, wait_s=wait)

@@ -1,0 +1,191 @@
+"""Every @distributed call is in the run store beside workloads: get, list, logs, cancel, ps; a program's end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from gpufleet import distributed
+from gpufleet.errors import GPUUnavailableError, RunCanceledError
+from gpufleet.workload.store import RunStore
+from tests.workload.helpers import REPO, cli, cli_json, cli_process, wait_no_processes, wait_state
+
+
+@pytest.fixture(autouse=True)
+def _fake_gpus(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUFLEET_TRACKING", "0")
+    monkeypatch.setenv("GPUFLEET_FAKE_GPUS", "2")  # leased under $GPUFLEET_HOME/gpu-leases-fake
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+@distributed(gpus=1, stream_logs=False)
+def visible(seconds: float = 0.0) -> str | None:
+    import os
+    import time
+
+    print("rank sees GPUs", os.environ.get("CUDA_VISIBLE_DEVICES"), flush=True)
+    time.sleep(seconds)
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+@distributed(gpus=2, gpu_type="cpu", stream_logs=False)
+def sleeper(seconds: float) -> None:
+    import time
+
+    print("sleeping", flush=True)
+    time.sleep(seconds)
+
+
+def _script(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_a_call_is_recorded_and_get_list_logs_take_its_run_id(
+    store: RunStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    handle = visible.submit(0.0)
+    assert handle.result(60) == ["0"]
+    run_id = handle.run_id
+    run = cli_json(capsys, "get", run_id)
+    assert (run["kind"], run["state"], run["experiment"], run["world_size"]) == ("call", "SUCCESS", "visible", 1)
+    assert run["placement"]["gpus"] == [0] and run["placement"]["gpu_name"] == "Fake GPU"
+    assert run["origin"]["pid"] == os.getpid() and run["origin"]["host"] and run["origin"]["user"]
+    assert run["run_dir"] == handle.run_dir and run["ended_at"] >= run["started_at"] >= run["created_at"]
+    code, out, _ = cli(capsys, "logs", run_id)
+    assert code == 0 and "rank sees GPUs 0" in out
+    code, out, _ = cli(capsys, "get", run_id)
+    assert code == 0 and "placement          GPU 0 (Fake GPU)" in out
+    ids = [r["id"] for r in cli_json(capsys, "list", "--kind", "call", "--state", "SUCCESS", "--since", "1h")]
+    assert run_id in ids
+    assert cli_json(capsys, "list", "--kind", "workload", "--all-status") == []
+    assert [r["id"] for r in cli_json(capsys, "list", "--name", "visible", "--all-status")] == [run_id]
+    assert cli_json(capsys, "list", "--name", "other", "--all-status") == []
+    code, out, _ = cli(capsys, "list", "--all-status")
+    assert out.splitlines()[0].split("\t")[:4] == ["ID", "STATE", "KIND", "NAME"]
+
+
+def test_two_calls_get_different_gpus_a_third_names_the_holders(store: RunStore, capsys: pytest.CaptureFixture[str]) -> None:
+    first, second = visible.submit(3.0), visible.submit(3.0)
+    with pytest.raises(GPUUnavailableError) as info:
+        visible.with_overrides(gpu_wait=0.3).distributed()
+    assert f"run {first.run_id} (call, pid {os.getpid()}" in str(info.value)
+    assert f"run {second.run_id} (call, pid {os.getpid()}" in str(info.value)
+    ps = cli_json(capsys, "ps")
+    held = {g["index"]: g["holder"]["run_id"] for g in ps["gpus"] if g["held"]}
+    assert sorted(held.values()) == sorted([first.run_id, second.run_id])
+    assert {r["id"]: r["gpus"] for r in ps["runs"]}[first.run_id] == [int(first.result(60)[0])]
+    assert sorted([first.result(60)[0], second.result(60)[0]]) == ["0", "1"]
+    failed = store.list(states=("FAILED",), filters={"kind": "call"})
+    assert len(failed) == 1 and "GPUUnavailableError" in (failed[0].message or "")
+
+
+def test_a_cancel_from_another_process_ends_the_call_with_run_canceled_error(store: RunStore) -> None:
+    handle = sleeper.submit(60)
+    wait_state(store, handle.run_id, ("RUNNING",), timeout=30)
+    start = time.monotonic()
+    done = cli_process("cancel", handle.run_id, "-o", "json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout)[0]["state"] == "CANCELED"
+    with pytest.raises(RunCanceledError, match="canceled with `gpufleet cancel`"):
+        handle.result(30)
+    assert time.monotonic() - start < 15
+    assert store.get(handle.run_id).state == "CANCELED"
+    assert wait_no_processes(handle.run_id) == []
+
+
+def test_a_script_that_ends_with_a_submitted_run_says_so(tmp_path: Path, store: RunStore) -> None:
+    script = _script(tmp_path, """
+        from gpufleet import distributed
+
+        @distributed(gpus=1, gpu_type="cpu", tracking=False)
+        def train(seconds):
+            import time
+            time.sleep(seconds)
+
+        handle = train.submit(60)
+        print(handle.run_id, flush=True)
+    """)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=REPO)
+    run_id = done.stdout.strip()
+    assert done.returncode == 0, done.stderr
+    assert f"the program is exiting while run {run_id} is still RUNNING" in done.stderr
+    assert "`handle.result()`" in done.stderr and "detach=True" in done.stderr
+    run = wait_state(store, run_id)
+    assert run.state == "CANCELED" and run.origin["path"] == str(script)
+    assert wait_no_processes(run_id) == []
+
+
+def test_a_detached_run_goes_on_after_the_script_and_is_followed_with_logs(
+    tmp_path: Path, store: RunStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(tmp_path, """
+        from gpufleet import distributed
+
+        @distributed(gpus=2, gpu_type="cpu", tracking=False)
+        def train(seconds):
+            import time
+            from gpufleet import runtime
+            time.sleep(seconds)
+            print("done on rank", runtime.get_global_rank(), flush=True)
+            return runtime.get_global_rank()
+
+        handle = train.submit(2, detach=True)
+        print(handle.run_id, flush=True)
+    """)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=REPO)
+    run_id = done.stdout.strip()
+    assert done.returncode == 0, done.stderr
+    assert f"run {run_id} runs detached" in done.stderr
+    code, out, err = cli(capsys, "logs", run_id, "--follow")  # until it ends
+    assert code == 0 and "done on rank 0" in out and "done on rank 1" in out, out + err
+    run = wait_state(store, run_id)
+    assert run.state == "SUCCESS" and run.origin["path"] == str(script)
+    assert wait_no_processes(run_id) == []
+    from gpufleet.detach import DetachedRunHandle
+
+    job = next(p for p in (store.home / "detached").iterdir())
+    handle = DetachedRunHandle(job, run.supervisor_pid or 0)
+    assert handle.result(30) == [0, 1] and handle.status == "SUCCESS"
+
+
+def test_a_killed_caller_frees_its_gpus_and_its_call_is_marked_failed(tmp_path: Path, store: RunStore) -> None:
+    script = _script(tmp_path, """
+        from gpufleet import distributed
+
+        @distributed(gpus=2)
+        def train():
+            import time
+            time.sleep(60)
+
+        handle = train.submit()
+        print(handle.run_id, flush=True)
+        handle.result()
+    """)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert proc.stdout is not None
+        run_id = proc.stdout.readline().strip()
+        assert run_id
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+    assert visible.with_overrides(gpus=2, gpu_wait=10).distributed() == ["0,1", "0,1"]  # its lease died with it
+    assert wait_no_processes(run_id) == []
+    run = cli_process("get", run_id, "-o", "json")
+    assert json.loads(run.stdout)["state"] == "FAILED", run.stdout + run.stderr
+    assert "died" in json.loads(run.stdout)["message"]
