@@ -329,7 +329,7 @@ class Controller:
         idle = self._clock() - self._progress_since
         stacks = group.stacks()
         status = group.poll(0.0)
-        found = diagnose(status.progress, stacks, status.num_ranks, idle)
+        found = diagnose(status.progress, stacks, status.num_ranks, idle, frozenset(status.results))
         report = group.run_dir.path / "hang-report.txt"
         try:
             report.write_text(found.report)

@@ -68,10 +68,11 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def diagnose(
-    progress: Mapping[int, Mapping[str, Any]], stacks: Mapping[int, str], num_ranks: int, idle_s: float
+    progress: Mapping[int, Mapping[str, Any]], stacks: Mapping[int, str], num_ranks: int, idle_s: float,
+    finished: frozenset[int] = frozenset(),
 ) -> Diagnosis:
-    """Name the ranks behind or mismatched, and where each rank's code is."""
-    where = {r: user_frame(stacks.get(r, "")) for r in range(num_ranks)}
+    """Name the ranks behind or mismatched, and where each rank's code is (``finished``: ranks that returned)."""
+    where = {r: user_frame(stacks.get(r, "")) if r not in finished else "" for r in range(num_ranks)}
     seqs = {r: progress.get(r, {}).get("seq") for r in range(num_ranks)}
     known = {r: s for r, s in seqs.items() if s is not None}
     summary = [f"no rank made progress for {idle_s:.0f} s (no collective completed, no step reported)"]
@@ -104,10 +105,21 @@ def diagnose(
                 waiting[r] = f"waiting in {name}"
     for r in range(num_ranks):
         at = f" at {where[r]}" if where[r] else ""
-        if r in missing:
+        if r in finished:
+            missing.pop(r, None)
+            waiting[r] = f"returned its result (its last collective: #{seqs[r]})"
+        elif r in missing:
             missing[r] += at
         else:
             waiting[r] = waiting.get(r, "no collective yet") + at
+    if finished and not missing and known:
+        # the others wait in a collective that a rank which already returned completed on its side
+        stuck = [r for r in range(num_ranks) if r not in finished]
+        summary.insert(1, f"{_ranks(sorted(finished))} returned while {_ranks(stuck)} still wait in "
+                          f"{_name(None, max(known.values()))}: the ranks ran different collectives "
+                          "(e.g. a broadcast on one rank, an all-reduce on another)")  # fmt: skip
+        for r in stuck:
+            missing[r] = waiting.pop(r)
     for r in range(num_ranks):
         summary.append(f"  rank {r}: {missing.get(r) or waiting.get(r)}")
     lines = [*summary, "", "last collectives per rank (from torch's flight recorder, where it records them):"]

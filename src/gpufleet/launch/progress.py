@@ -38,7 +38,8 @@ def watchdog_env(hang_timeout_s: float | None) -> dict[str, str]:
     if hang_timeout_s is None:
         return {}
     interval = min(2.0, max(0.2, hang_timeout_s / 10))
-    return {PROGRESS_INTERVAL_ENV: f"{interval:g}", "TORCH_FR_BUFFER_SIZE": "64"}
+    # the flight recorder's buffer: its current name, and the name older torch (2.11) reads for NCCL
+    return {PROGRESS_INTERVAL_ENV: f"{interval:g}", "TORCH_FR_BUFFER_SIZE": "64", "TORCH_NCCL_TRACE_BUFFER_SIZE": "64"}
 
 
 def step_count() -> int:
@@ -94,7 +95,10 @@ def _collective_state() -> dict[str, Any]:
         try:
             import torch._C._distributed_c10d as c10d
 
-            raw = json.loads(c10d._dump_fr_trace_json(True, True))
+            # NCCL's recorder (older torch keeps it apart), else the one of every backend
+            dump = getattr(c10d, "_dump_nccl_trace_json", None) if group._get_backend_name() == "nccl" else None
+            dump = dump or c10d._dump_fr_trace_json
+            raw = json.loads(dump(True, True))
             state["collectives"] = [
                 {
                     "op": str(e.get("profiling_name", "?")).split(":")[-1],
