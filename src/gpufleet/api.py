@@ -246,8 +246,8 @@ class DistributedFunction:
                 spec = LaunchSpec(new_run_id(name), 0, attempt=attempt, env=attempt_env, payload=payload)
                 return RayWorkerGroup(spec, RunDir.create(opts.runs_dir, spec.run_id), ray_placement, logs)
         else:
+            from .launch.gpu_requests import call_gpu_request
             from .launch.gpus import resolve_local
-            from .launch.leases import call_gpu_request
             from .launch.local import LocalPlacement, LocalWorkerGroup
 
             found = resolve_local(opts.gpus, opts.gpu_type)

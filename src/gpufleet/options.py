@@ -39,7 +39,7 @@ class LaunchOptions:
 
     def check(self) -> None:
         """Reject wrong settings with a message that says what is allowed."""
-        from .launch.leases import check_gpu_settings
+        from .launch.gpu_requests import check_gpu_settings
 
         check_gpu_settings(self.gpus, self.gpu_wait, self.remote)
         if self.gpu_type is not None and (not isinstance(self.gpu_type, str) or not self.gpu_type.strip()):

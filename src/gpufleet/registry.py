@@ -101,7 +101,8 @@ def notebook_path() -> str | None:
 
 def call_origin() -> dict[str, Any]:
     """Where calls of this process come from: ``kind`` (notebook / script / interactive), ``path``, host, user, pid."""
-    from .launch.leases import interactive, user_name
+    from .launch.gpu_requests import interactive
+    from .launch.leases import user_name
 
     with _lock:
         if _origin.get("pid") == os.getpid():

@@ -189,3 +189,18 @@ def test_a_killed_caller_frees_its_gpus_and_its_call_is_marked_failed(tmp_path: 
     run = cli_process("get", run_id, "-o", "json")
     assert json.loads(run.stdout)["state"] == "FAILED", run.stdout + run.stderr
     assert "died" in json.loads(run.stdout)["message"]
+
+
+def test_warm_ranks_keep_their_gpus_while_idle_and_give_them_back(store: RunStore) -> None:
+    from gpufleet.launch.leases import gpu_uses
+
+    warm = visible.with_overrides(keep_warm=True)
+    try:
+        first = warm.distributed()
+        second = warm.distributed()  # the same ranks, on the same GPU
+        assert first == second
+        held = [u for u in gpu_uses() if u.held]
+        assert [u.gpu.index for u in held] == [int(first[0])]  # idle, they still hold it
+    finally:
+        warm.shutdown()
+    assert all(u.free for u in gpu_uses())

@@ -25,7 +25,6 @@ default folder is ``$GPUFLEET_HOME/gpu-leases-fake``, so test sessions do not sh
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import getpass
@@ -34,7 +33,6 @@ import os
 import random
 import socket
 import stat
-import sys
 import tempfile
 import threading
 import time
@@ -44,12 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import GPUUnavailableError, LaunchConfigError
+from .gpu_processes import ForeignProcess, foreign_processes
 from .gpus import FAKE_GPUS_ENV, GPUInfo, list_gpus
 
 LEASE_DIR_ENV = "GPUFLEET_LEASE_DIR"
-IGNORE_FOREIGN_ENV = "GPUFLEET_IGNORE_FOREIGN_GPU_PROCESSES"
-#: Test override of NVML's process list on fake GPUs: ``"0=1234,1=5678"`` (GPU index = pid).
-FAKE_PROCESSES_ENV = "GPUFLEET_FAKE_GPU_PROCESSES"
 #: Seconds between two tries of a waiting lease (jittered by +-50 %).
 RETRY_S = 0.25
 #: A waiting run says who holds its GPUs once it has waited this long (seconds; a run that ends
@@ -109,20 +105,6 @@ class Holder:
                        str(d.get("host", "")))  # fmt: skip
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             return None
-
-
-@dataclass(frozen=True)
-class ForeignProcess:
-    """A compute process on a GPU that is no gpufleet lease holder's (as NVML reports it)."""
-
-    pid: int
-    name: str = ""
-    user: str = ""
-
-    def describe(self) -> str:
-        if not self.name:
-            return f"pid {self.pid} (not visible from here) outside gpufleet"
-        return f"pid {self.pid} ({self.name}, user {self.user or '?'}) outside gpufleet"
 
 
 @dataclass(frozen=True)
@@ -248,74 +230,6 @@ def _write_holder(fd: int, holder: Holder) -> None:
     with contextlib.suppress(OSError):  # a read-only lock file still locks; its holder is then unnamed
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
-
-
-# ------------------------------------------------------------------ processes outside gpufleet
-
-
-def _own_pids() -> set[int]:
-    """This process and its descendants (its own CUDA context and its ranks are not foreign)."""
-    pids = {os.getpid()}
-    try:
-        import psutil
-
-        pids.update(p.pid for p in psutil.Process().children(recursive=True))
-    except Exception:  # noqa: BLE001
-        pass
-    return pids
-
-
-def _describe_pid(pid: int) -> ForeignProcess:
-    try:
-        import psutil
-
-        p = psutil.Process(pid)
-        return ForeignProcess(pid, p.name(), p.username())
-    except Exception:  # noqa: BLE001 - gone, another pid namespace, no access
-        return ForeignProcess(pid)
-
-
-def _nvml_processes(gpus: Sequence[GPUInfo]) -> dict[str, list[int]]:
-    try:
-        import pynvml
-    except ImportError:
-        return {}
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001
-        return {}
-    found: dict[str, list[int]] = {}
-    try:
-        for g in gpus:
-            try:
-                handle = pynvml.nvmlDeviceGetHandleByUUID(g.uuid)
-                found[g.uuid] = [int(p.pid) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
-            except Exception:  # noqa: BLE001 - a GPU NVML cannot query counts as having none
-                continue
-    finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
-    return found
-
-
-def foreign_processes(gpus: Sequence[GPUInfo]) -> dict[str, tuple[ForeignProcess, ...]]:
-    """Compute processes on each GPU (by uuid) that are not this process's or its children's."""
-    if os.environ.get(IGNORE_FOREIGN_ENV, "").strip() in ("1", "true", "yes"):
-        return {}
-    if os.environ.get(FAKE_GPUS_ENV):
-        by_index: dict[int, list[int]] = {}
-        for item in os.environ.get(FAKE_PROCESSES_ENV, "").split(","):
-            index, _, pid = item.partition("=")
-            if index.strip().isdigit() and pid.strip().isdigit():
-                by_index.setdefault(int(index), []).append(int(pid))
-        pids_of = {g.uuid: by_index.get(g.index, []) for g in gpus}
-    else:
-        pids_of = _nvml_processes(gpus)
-    if not any(pids_of.values()):
-        return {}
-    own = _own_pids()
-    return {uuid: tuple(_describe_pid(p) for p in pids if p not in own) for uuid, pids in pids_of.items()
-            if any(p not in own for p in pids)}  # fmt: skip
 
 
 # ------------------------------------------------------------------ leases
@@ -508,94 +422,3 @@ def gpu_uses(gpus: Sequence[GPUInfo] | None = None) -> list[GpuUse]:
                 os.close(fd)
         uses.append(GpuUse(g, held, holder, foreign.get(g.uuid, ())))
     return uses
-
-
-# ------------------------------------------------------------------ a local worker group's lease
-
-
-def lease_for_group(group: Any, kind: str = "call") -> None:
-    """Lease the GPUs of a local worker group's ``placement.gpu_request`` before its ranks start.
-
-    Waits (telling stderr who holds them) until they are free, the group's ``abort`` is set
-    (:class:`~gpufleet.launch.group.GroupStartCanceled`) or the request's wait ends
-    (:class:`GPUUnavailableError`). The group's placement then names the leased GPUs, and with
-    ``count=None`` its world size is the number of GPUs it got.
-    """
-    placement = group.placement
-    request = getattr(placement, "gpu_request", None)
-    if not placement.use_gpus or request is None or group.lease is not None:
-        return
-    from .group import GroupStartCanceled
-
-    def say(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
-    lease = acquire(request, Holder(group.run_id, kind), abort=group.abort, on_wait=say,
-                    canceled=lambda: GroupStartCanceled("canceled while it waited for GPUs"))  # fmt: skip
-    group.lease = lease
-    group.placement = dataclasses.replace(placement, gpu_indices=lease.indices)
-    if len(lease.indices) != group.spec.world_size:
-        group.spec = dataclasses.replace(group.spec, world_size=len(lease.indices))
-
-
-def release_group_lease(group: Any) -> None:
-    """Give back a local worker group's GPUs (its ranks are gone); safe to call twice."""
-    lease = getattr(group, "lease", None)
-    if lease is not None:
-        lease.release()
-
-
-# ------------------------------------------------------------------ the settings of a call
-
-#: ``gpu_wait=None`` in a notebook (an interactive kernel): seconds to wait for free GPUs.
-NOTEBOOK_GPU_WAIT_S = 300.0
-
-
-def check_gpu_settings(gpus: Any, gpu_wait: Any, remote: Any = False) -> None:
-    """Reject a wrong ``gpus`` (a count, None, or a list of GPU indices) or ``gpu_wait``."""
-    if isinstance(gpus, tuple):
-        if not gpus or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in gpus) \
-                or len(set(gpus)) != len(gpus):  # fmt: skip
-            raise LaunchConfigError(f"gpus as a list names distinct GPU indices (e.g. [0, 2]), got {list(gpus)!r}")
-        if remote:
-            raise LaunchConfigError("gpus as a list of GPU indices is for runs on this machine; on Ray ask for a count")
-    elif gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
-        raise LaunchConfigError(
-            f"gpus must be a positive integer, a list of GPU indices, or None (every free GPU), got {gpus!r}"
-        )
-    if gpu_wait is not None and (
-        isinstance(gpu_wait, bool) or not isinstance(gpu_wait, (int, float)) or gpu_wait != gpu_wait or gpu_wait < 0
-    ):
-        raise LaunchConfigError(
-            f"gpu_wait must be seconds >= 0 to wait for free GPUs (math.inf: no limit), or None (300 s in a "
-            f"notebook, else up to the timeout); got {gpu_wait!r}"
-        )
-
-
-def interactive() -> bool:
-    """Whether this process is an interactive IPython / Jupyter kernel."""
-    ipython = sys.modules.get("IPython")
-    if ipython is None:
-        return False
-    try:
-        return ipython.get_ipython() is not None
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def call_gpu_request(gpus: int | tuple[int, ...] | None, gpu_wait: float | None, timeout: float | None,
-                     use_gpus: bool) -> GpuRequest | None:  # fmt: skip
-    """The lease a local call asks for (None on CPU).
-
-    ``gpu_wait=None``: :data:`NOTEBOOK_GPU_WAIT_S` in a notebook, else up to the call's
-    ``timeout`` (no limit without one); ``math.inf``: no limit.
-    """
-    if not use_gpus:
-        return None
-    if gpu_wait is None:
-        wait: float | None = NOTEBOOK_GPU_WAIT_S if interactive() else timeout
-    else:
-        wait = None if gpu_wait == float("inf") else float(gpu_wait)
-    if isinstance(gpus, tuple):
-        return GpuRequest(named=gpus, wait_s=wait)
-    return GpuRequest(count=gpus, wait_s=wait)

@@ -16,8 +16,9 @@ from typing import IO, Any
 from ..errors import RankFailure
 from ..results import ERROR, OK, RunDir, read_outcome
 from . import failures
+from .gpu_requests import lease_for_group, release_group_lease
 from .group import GroupStatus, WorkerGroup
-from .leases import GpuLease, GpuRequest, lease_for_group, release_group_lease
+from .leases import GpuLease, GpuRequest
 from .logstream import LogConfig, RankLog
 from .ports import find_free_port
 from .proctree import popen_in_own_group, run_processes, stop_tree

@@ -14,6 +14,7 @@ when the calling process ends (ranks also end themselves when their caller dies)
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import shutil
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..results import RunDir
+from .gpu_requests import lease_for_group, release_group_lease
 from .group import GroupStatus
 from .local import LocalPlacement, LocalWorkerGroup
 from .logstream import LogConfig, RankLog
@@ -122,6 +124,8 @@ class WarmRanks:
     busy: bool = True
     idle_since: float = field(default_factory=time.monotonic)
     calls: int = 0
+    #: The GPU lease of these ranks (:mod:`gpufleet.launch.leases`), held while they live, idle or not.
+    lease: Any = None
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
@@ -143,6 +147,8 @@ class WarmRanks:
         for pump in self.pumps:
             pump.close()
         shutil.rmtree(self.control_dir, ignore_errors=True)
+        if self.lease is not None:
+            self.lease.release()
 
 
 class WarmPool:
@@ -274,7 +280,19 @@ class WarmWorkerGroup(LocalWorkerGroup):
         self.spec.payload.write(self.run_dir.payload)
         ranks = POOL.take(self._key, self.placement.gpu_indices)
         self.reused = ranks is not None
-        self.warm = ranks or self._spawn()
+        if ranks is not None:  # they keep the GPUs they leased when they were started
+            self.placement = dataclasses.replace(self.placement, gpu_indices=ranks.gpu_indices)
+            if len(ranks.procs) != self.spec.world_size:  # gpus=None: as many as were free then
+                self.spec = dataclasses.replace(self.spec, world_size=len(ranks.procs))
+        else:
+            lease_for_group(self)  # new ranks lease their GPUs first; the ranks then hold the lease
+            try:
+                ranks = self._spawn()
+            except BaseException:
+                release_group_lease(self)
+                raise
+            ranks.lease, self.lease = self.lease, None
+        self.warm = ranks
         self.rendezvous = self.warm.rendezvous
         self._procs = self.warm.procs
         self._pumps = self.warm.pumps  # type: ignore[assignment]
