@@ -117,6 +117,9 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> Any:
     import torch
     import torch.distributed as dist
 
+    from .launch import progress
+
+    progress.start(get_global_rank())  # a workload's ranks too: faults, and progress for the watchdog
     dev = device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

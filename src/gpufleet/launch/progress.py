@@ -31,6 +31,7 @@ _batches = 0
 _optimizer_steps = 0
 _reported: int | None = None
 _stack_file: Any = None
+_started = False
 
 
 def watchdog_env(hang_timeout_s: float | None) -> dict[str, str]:
@@ -134,6 +135,10 @@ def start(rank: int, stacks_dir: str | None = None) -> None:
     each time: a warm worker serves several calls); stack dumps go to ``stacks_dir`` (default: that
     run folder).
     """
+    global _started
+    if _started:
+        return
+    _started = True
     from .. import faults
 
     faults.arm(rank)
