@@ -43,9 +43,12 @@ def test_ranks_at_the_same_count_in_different_collectives_are_mismatched():
 
 def test_a_rank_that_returned_while_the_others_wait_is_named():
     progress = {0: {"seq": 2}, 1: {"seq": 2}}
+    progress[0] = _collectives(2, "all_reduce", [[8]])
     found = diagnose(progress, {0: STACK}, 2, 20.0, finished=frozenset({1}))
-    assert "rank 1 returned while rank 0 still wait in collective #2" in found.summary[1]
+    assert "rank 1 returned while rank 0 still waits in all_reduce #2 [[8]]" in found.summary[1]
+    assert not any("none is missing" in line for line in found.summary)  # rank 1 did not wait
     assert set(found.missing) == {0} and found.waiting[1].startswith("returned its result")
+    assert found.missing[0].startswith("stuck in all_reduce #2 [[8]], which rank 1 passed with a different")
 
 
 def test_every_rank_in_the_same_collective_says_none_is_missing():

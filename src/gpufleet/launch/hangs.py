@@ -97,7 +97,7 @@ def diagnose(
                     f"rank {r} in {_name(e, top)}" for r, e in sorted(entries.items())))  # fmt: skip
                 for r, e in entries.items():
                     missing[r] = f"in {_name(e, top)}, which does not match the other ranks'"
-            else:
+            elif not finished:
                 summary.append(f"every rank is in {name} and none is missing: it does not complete "
                                "(a network or device problem, or a rank blocked in another process group)")  # fmt: skip
         for r in ahead:
@@ -115,11 +115,17 @@ def diagnose(
     if finished and not missing and known:
         # the others wait in a collective that a rank which already returned completed on its side
         stuck = [r for r in range(num_ranks) if r not in finished]
-        summary.insert(1, f"{_ranks(sorted(finished))} returned while {_ranks(stuck)} still wait in "
-                          f"{_name(None, max(known.values()))}: the ranks ran different collectives "
-                          "(e.g. a broadcast on one rank, an all-reduce on another)")  # fmt: skip
+        top = max(known.values())
+        name = _name(next((_collective(progress[r], top) for r in stuck if r in progress), None), top)
+        verb = "waits" if len(stuck) == 1 else "wait"
+        summary.insert(1, f"{_ranks(sorted(finished))} returned while {_ranks(stuck)} still {verb} in {name}: "
+                          "the ranks ran different collectives (e.g. a broadcast on one rank, an all-reduce "
+                          "on another)")  # fmt: skip
         for r in stuck:
-            missing[r] = waiting.pop(r)
+            where_r = f" at {where[r]}" if where[r] else ""
+            missing[r] = (f"stuck in {name}, which {_ranks(sorted(finished))} passed with a different "
+                          f"collective before returning{where_r}")  # fmt: skip
+            waiting.pop(r, None)
     for r in range(num_ranks):
         summary.append(f"  rank {r}: {missing.get(r) or waiting.get(r)}")
     lines = [*summary, "", "last collectives per rank (from torch's flight recorder, where it records them):"]

@@ -39,8 +39,7 @@ def watchdog_env(hang_timeout_s: float | None) -> dict[str, str]:
     if hang_timeout_s is None:
         return {}
     interval = min(2.0, max(0.2, hang_timeout_s / 10))
-    # the flight recorder's buffer: its current name, and the name older torch (2.11) reads for NCCL
-    return {PROGRESS_INTERVAL_ENV: f"{interval:g}", "TORCH_FR_BUFFER_SIZE": "64", "TORCH_NCCL_TRACE_BUFFER_SIZE": "64"}
+    return {PROGRESS_INTERVAL_ENV: f"{interval:g}", "TORCH_FR_BUFFER_SIZE": "64"}  # torch's flight recorder
 
 
 def step_count() -> int:
