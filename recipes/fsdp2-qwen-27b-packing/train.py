@@ -44,6 +44,7 @@ def main() -> None:
     from gpufleet import runtime
     from gpufleet.checkpoint import CheckpointManager
     from gpufleet.strategies import prepare
+    from gpufleet.tracking import log_metrics
 
     p = load_parameters()
     device = runtime.setup()
@@ -93,6 +94,7 @@ def main() -> None:
         prepared.zero_grad()
         losses.append(loss.item())
         tokens += int((b["labels"] != -100).sum()) * world
+        log_metrics({"loss": losses[-1]}, step=step + 1)  # rank 0's loss into the attempt's MLflow run
         if every > 0 and ((step + 1) % every == 0 or step + 1 == max_steps):  # 0: no checkpoints
             manager.save(step + 1)
     manager.close()

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+from pathlib import Path
 
 from gpufleet import distributed, runtime
 from gpufleet.launch.gpus import list_gpus
+from gpufleet.tracking import default_tracking_uri, log_metrics
 
 
 def train(epochs: int = 20, lr: float = 3e-3, num_samples: int = 16384, batch_size: int = 256,
@@ -66,6 +69,7 @@ def train(epochs: int = 20, lr: float = 3e-3, num_samples: int = 16384, batch_si
         if epoch == 0:
             first_loss = epoch_loss
         last_loss = epoch_loss
+        log_metrics({"loss": epoch_loss}, step=epoch)  # rank 0's loss into the run's MLflow metrics
         if runtime.is_main_process() and (epoch % 5 == 0 or epoch == epochs - 1):
             print(f"epoch {epoch:3d}  loss {epoch_loss:.4f}")
     elapsed = time.perf_counter() - t0
@@ -90,17 +94,34 @@ def main(argv: list[str] | None = None) -> int:
     use_cpu = args.cpu or not list_gpus()
     workers = args.workers or (2 if use_cpu else None)
     fn = distributed(gpus=workers, gpu_type="cpu" if use_cpu else None, timeout=1800)(train)
-    results = fn.distributed(epochs=args.epochs, lr=args.lr)
+    handle = fn.submit(epochs=args.epochs, lr=args.lr)
+    results = handle.result()
     print(json.dumps(results, indent=2))
     r0 = results[0]
     print(
         f"\n{r0['world_size']} ranks on {r0['device'].split(':')[0]}: loss {r0['first_loss']:.4f} -> "
         f"{r0['final_loss']:.4f}; {sum(r['samples_per_s'] for r in results):,.0f} samples/s in total"
     )
+    print_where(handle, len(results))
     if not r0["final_loss"] < 0.5 * r0["first_loss"]:
         print("the loss did not fall by half: something is wrong")
         return 1
     return 0
+
+
+def print_where(handle, num_ranks: int) -> None:
+    """Where the run's results are: its id, folder, each rank's log and the MLflow run."""
+    run_dir = Path(handle.run_dir)
+    print(f"\nrun id:     {handle.run_id}")
+    print(f"run folder: {run_dir}")
+    for rank in range(num_ranks):
+        print(f"rank {rank} log: {run_dir / f'rank-{rank}.log'}")
+    if handle.mlflow_run_id is None:
+        print("MLflow:     tracking is off (GPUFLEET_TRACKING=0, or MLflow is not installed)")
+        return
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+    print(f"MLflow run: {handle.mlflow_run_id} (rank 0's loss as metric 'loss'); to look at it:")
+    print(f"  mlflow ui --backend-store-uri '{uri}'")
 
 
 if __name__ == "__main__":

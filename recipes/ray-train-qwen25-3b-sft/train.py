@@ -57,6 +57,17 @@ def train_loop(p: dict[str, Any]) -> None:
         Path(p["output_dir"], "train_summary.json").write_text(json.dumps(summary))
 
 
+def log_summary(summary: dict[str, Any]) -> None:
+    """The run's numbers into the attempt's MLflow run (the driver has it in its environment;
+    Ray Train's workers, where the Trainer logs, do not)."""
+    try:
+        from gpufleet.tracking import log_metrics
+    except ImportError:  # an interpreter without gpufleet: nothing is tracked here
+        return
+    keys = ("final_train_loss", "steps", "seconds", "tokens_per_second", "peak_memory_gib")
+    log_metrics({k: summary[k] for k in keys if isinstance(summary.get(k), (int, float))})
+
+
 def main() -> None:
     """Start the TorchTrainer on this node's Ray (or the cluster in RAY_ADDRESS) and print its result."""
     import ray
@@ -82,6 +93,7 @@ def main() -> None:
     final = Path(p["output_dir"], "train_summary.json")
     summary = {**result.metrics, **(json.loads(final.read_text()) if final.exists() else {}), "num_workers": num_workers}
     print("RESULT " + json.dumps(summary, default=str))
+    log_summary(summary)
     Path(p["output_dir"]).mkdir(parents=True, exist_ok=True)
     Path(p["output_dir"], "result.json").write_text(json.dumps(summary, default=str))
 

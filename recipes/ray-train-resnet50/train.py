@@ -72,6 +72,29 @@ def train_loop(config: dict[str, Any]) -> None:
             ray.train.report(metrics, checkpoint=checkpoint)
 
 
+def log_epochs(result: Any) -> None:
+    """Each epoch's metrics (what rank 0 reported to Ray Train) into the attempt's MLflow run.
+
+    The driver logs them: it has the run in its environment, which Ray Train's workers do not.
+    """
+    try:
+        from gpufleet.tracking import log_metrics
+    except ImportError:  # an interpreter without gpufleet: nothing is tracked here
+        return
+    try:
+        frame = result.metrics_dataframe  # every report of rank 0, in order
+    except Exception:  # a Ray Train without it: the final metrics only
+        frame = None
+    if frame is None:
+        metrics = result.metrics or {}
+        log_metrics({k: v for k, v in metrics.items() if k in ("loss", "accuracy", "images_per_second")},
+                    step=int(metrics.get("epoch", 0)))
+        return
+    for row in frame.to_dict("records"):
+        metrics = {k: row[k] for k in ("loss", "accuracy", "images_per_second") if k in row}
+        log_metrics(metrics, step=int(row.get("epoch", 0)))
+
+
 def main() -> None:
     """Start the Ray Train run on the cluster (or a local Ray instance) and print its result."""
     import ray
@@ -105,6 +128,7 @@ def main() -> None:
                              storage_path=str(Path(params.get("storage_path", "ray_results")).absolute())),
     )
     result = trainer.fit()
+    log_epochs(result)
     summary = {"metrics": result.metrics, "checkpoint": result.checkpoint.path if result.checkpoint else None,
                "num_workers": num_workers}
     print("RESULT " + json.dumps(summary, default=str))

@@ -4,6 +4,7 @@
 tracking URI and experiment are handed to every rank through the environment, so
 ``mlflow.log_*``, Hugging Face ``report_to="mlflow"`` and Lightning's ``MLFlowLogger`` log into
 it. A sampler thread logs the node's system metrics (``system/...``) while the run is open.
+``log_metrics`` is the one-line way for a training loop to log rank 0's metrics into it.
 
 Importing this package is light: MLflow is imported only when a tracked run starts.
 """
@@ -11,6 +12,7 @@ Importing this package is light: MLflow is imported only when a tracked run star
 from __future__ import annotations
 
 from .data_wait import DATA_WAIT_METRIC, flush_data_wait, log_data_wait
+from .metrics import log_metrics
 from .runs import (
     TRACKING_ENV,
     TrackedRun,
@@ -28,6 +30,7 @@ __all__ = [
     "flatten_params",
     "flush_data_wait",
     "log_data_wait",
+    "log_metrics",
     "start_tracked_run",
     "tracking_enabled",
 ]
