@@ -178,6 +178,16 @@ class DistributedFunction:
         """A copy with some settings replaced, e.g. ``train.with_overrides(gpus=2)``."""
         return DistributedFunction(self.func, make_options(self.options, **settings))
 
+    def to_workload(self, path: str | os.PathLike[str], /, *args: Any, **kwargs: Any) -> Any:
+        """Write this call as a workload YAML (plus its entry script and call) that ``gpufleet run -f`` runs.
+
+        Same placement and per-rank results (in the run's ``results/results.pkl``); see
+        :mod:`gpufleet.workload.export`. Returns the YAML file's path.
+        """
+        from .workload.export import export_call
+
+        return export_call(self, path, args, kwargs)
+
     # -- launching ----------------------------------------------------------------------
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:
@@ -232,9 +242,13 @@ class DistributedFunction:
                 )
         call, sources = self._pickle_call(args, kwargs)
         payload = Payload(call, tuple(p for p in sys.path if p), opts.fast_exit, sources)
-        env = {**watchdog_env(opts.hang_timeout), **opts.env}
+        from .secrets import read_secrets, secret_env
+
+        secrets = read_secrets(opts.secrets)  # read at each launch; only the ranks' environment holds them
+        env = {**watchdog_env(opts.hang_timeout), **opts.env, **secret_env(secrets)}
         name = opts.name or getattr(self.func, "__name__", "run")
-        logs = LogConfig(enabled=opts.stream_logs, full_ranks=opts.log_ranks, stderr=opts.stream_stderr)
+        logs = LogConfig(enabled=opts.stream_logs, full_ranks=opts.log_ranks, stderr=opts.stream_stderr,
+                         secrets=tuple(secrets.values()))  # fmt: skip
         make_group: Callable[[int], WorkerGroup]
         if remote:
             from .launch.ray_group import RayPlacement, RayWorkerGroup
@@ -276,7 +290,7 @@ class DistributedFunction:
         from .tracking import tracking_enabled
 
         if opts.tracking and tracking_enabled():  # one MLflow run per attempt; MLflow is imported only then
-            from .tracking.launch import TrackingCallback, call_parameters
+            from .tracking.launch import TrackingCallback, call_parameters, code_folder
 
             callbacks.append(
                 TrackingCallback(
@@ -285,6 +299,7 @@ class DistributedFunction:
                     gpus=opts.gpus, gpu_type=opts.gpu_type, experiment_name=opts.experiment_name,
                     max_retries=opts.max_retries, timeout=opts.timeout,
                     arguments=call_parameters(self._signature, args, kwargs),
+                    run_name=opts.run_name, code_folder=code_folder(self.func),
                 )
             )
         return Controller(
@@ -385,7 +400,9 @@ def distributed(
             with a diagnosis, default 600; None: off), ``faults`` (faults to inject on purpose,
             e.g. ``["kill:rank=1:step=30"]``; see :mod:`gpufleet.faults`), ``keep_warm``
             (seconds idle ranks stay ready for the next call; True = 600, False = off; default:
-            on in a notebook, off in scripts; local runs only).
+            on in a notebook, off in scripts; local runs only), ``secrets`` (variables of every
+            rank read at each launch, ``{"HF_TOKEN": {"env": "HF_TOKEN"}}`` or ``{"file":
+            PATH}``: never stored, masked in the logs), ``run_name`` (the MLflow run's name).
 
     Works bare (``@distributed``) and with arguments (``@distributed(gpus=2)``).
     """

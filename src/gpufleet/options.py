@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -36,6 +37,10 @@ class LaunchOptions:
     keep_warm: float | bool | None = None
     #: Seconds to wait for free GPUs (see :mod:`gpufleet.launch.leases`); None: 300 in a notebook, else the timeout.
     gpu_wait: float | None = None
+    #: Variables of every rank read at each launch: ``{"NAME": {"env": "VAR"} | {"file": "PATH"}}`` (:mod:`gpufleet.secrets`).
+    secrets: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: The MLflow run's name (default: the run id; later attempts get ``-attempt-<n>``).
+    run_name: str | None = None
 
     def check(self) -> None:
         """Reject wrong settings with a message that says what is allowed."""
@@ -89,6 +94,15 @@ class LaunchOptions:
                 f"keep_warm must be True (keep idle ranks 600 s), False, a number of seconds >= 0, or None "
                 f"(on in a notebook, off elsewhere); got {self.keep_warm!r}"
             )
+        from .secrets import source_problems
+
+        if not isinstance(self.secrets, dict):
+            raise LaunchConfigError(f"secrets must be a dict of NAME to {{'env': VAR}} or {{'file': PATH}}, got {self.secrets!r}")
+        problems = [p for name, source in self.secrets.items() for p in source_problems(name, source)]
+        if problems:
+            raise LaunchConfigError("secrets: " + "; ".join(problems))
+        if self.run_name is not None and (not isinstance(self.run_name, str) or not self.run_name.strip()):
+            raise LaunchConfigError(f"run_name must be a non-empty string (the MLflow run's name) or None, got {self.run_name!r}")
         if not isinstance(self.remote, (bool, str)):
             raise LaunchConfigError(f"remote must be False, True or a Ray address string, got {self.remote!r}")
 
@@ -118,4 +132,15 @@ def make_options(base: LaunchOptions | None = None, **settings: Any) -> LaunchOp
         settings["faults"] = parse_faults(settings["faults"])
     opts = replace(base, **settings) if base is not None else LaunchOptions(**settings)
     opts.check()
+    if isinstance(settings.get("env"), dict):
+        from .tracking.runs import looks_secret
+
+        for name in settings["env"]:
+            if looks_secret(name):
+                warnings.warn(
+                    f"env[{name!r}] looks like a secret: pass it with secrets={{{name!r}: {{'env': {name!r}}}}} "
+                    "(read at launch, never stored or logged) rather than env",
+                    UserWarning,
+                    stacklevel=3,
+                )
     return opts

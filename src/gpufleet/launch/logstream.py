@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -18,6 +18,14 @@ class LogConfig:
     enabled: bool = True
     full_ranks: str | tuple[int, ...] = (0,)  # "all" or rank numbers streamed in full
     stderr: bool = True  # every other rank's stderr (warnings, errors)
+    secrets: tuple[str, ...] = field(default=(), repr=False)  # values masked as *** in logs and echoes
+
+    def mask(self, line: bytes) -> bytes:
+        """``line`` with every secret value replaced by ``***``."""
+        for value in sorted(self.secrets, key=len, reverse=True):
+            if value:
+                line = line.replace(value.encode(), b"***")
+        return line
 
     def shows(self, rank: int, is_stderr: bool) -> bool:
         """Whether a line of ``rank`` (from stderr or stdout) is shown in the caller."""
@@ -59,6 +67,8 @@ class RankLog:
 
     def write(self, line: bytes, is_stderr: bool) -> None:
         """Append one line to the log file and echo it if the config says so."""
+        if self._logs.secrets:
+            line = self._logs.mask(line)
         with self._lock:
             if self._file.closed:
                 return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import traceback
 import warnings
 from collections.abc import Mapping
@@ -48,6 +49,13 @@ def call_parameters(signature: inspect.Signature, args: tuple[Any, ...], kwargs:
     return {f"args.{name}": value for name, value in values.items()}
 
 
+def code_folder(func: Any) -> str:
+    """The folder whose git version a call records: its function's source file's, else the current one (notebooks)."""
+    module = sys.modules.get(getattr(func, "__module__", "") or "")
+    file = getattr(module, "__file__", None)  # a notebook's __main__ has none
+    return os.path.dirname(os.path.abspath(file)) if file else os.getcwd()
+
+
 def local_store_warning(uri: str, hosts: list[str]) -> str | None:
     """Why a file-based tracking store does not suit a Ray cluster of several hosts, or None."""
     is_file = uri.startswith(("sqlite:", "file:")) or ("://" not in uri and not uri.startswith("databricks"))
@@ -80,12 +88,17 @@ class TrackingCallback(ControllerCallback):
         max_retries: the call's ``max_retries``.
         timeout: the call's timeout in seconds, or None.
         arguments: the call's arguments as parameters (:func:`call_parameters`), or None.
+        run_name: the MLflow run's name (later attempts: ``<name>-attempt-<n>``); None: the run id.
+        code_folder: a folder whose git commit, branch and dirty flag are tagged (``gpufleet.git.*``).
+
+    When each attempt's run opens, one line on stderr gives its id and where to see it
+    (:func:`gpufleet.tracking.links.run_line`).
     """
 
     def __init__(
         self, *, launcher: str, function_name: str, gpus: int | None, gpu_type: str | None,
         experiment_name: str | None, max_retries: int, timeout: float | None,
-        arguments: Mapping[str, Any] | None = None,
+        arguments: Mapping[str, Any] | None = None, run_name: str | None = None, code_folder: str | None = None,
     ) -> None:
         self._launcher = launcher
         self._function_name = function_name
@@ -95,6 +108,10 @@ class TrackingCallback(ControllerCallback):
         self._max_retries = max_retries
         self._timeout = timeout
         self._arguments = dict(arguments or {})
+        self._run_name = run_name
+        self._code_folder = code_folder
+        self._code_tags: dict[str, str] | None = None
+        self._attempts = 0
         self._tracked: dict[int, TrackedRun] = {}
 
     def before_start(self, group: WorkerGroup, attempt: int) -> None:
@@ -109,9 +126,17 @@ class TrackingCallback(ControllerCallback):
             "gpufleet.attempt": attempt, "gpufleet.max_retries": self._max_retries, "gpufleet.timeout_s": self._timeout,
         })
         params.update(self._arguments)
+        self._attempts += 1
+        run_name = group.run_id
+        if self._run_name:
+            run_name = self._run_name if self._attempts == 1 else f"{self._run_name}-attempt-{self._attempts}"
+        if self._code_tags is None:  # once per call
+            from ..codeversion import code_version, mlflow_tags
+
+            self._code_tags = mlflow_tags(code_version(self._code_folder)) if self._code_folder else {}
         tracked = start_tracked_run(
             self._experiment_name,
-            group.run_id,
+            run_name,
             params=params,
             system_metrics=self._launcher == "local",  # on Ray each node samples itself (launch/ray_actor.py)
             tags={
@@ -119,6 +144,7 @@ class TrackingCallback(ControllerCallback):
                 "gpufleet.run_dir": str(group.run_dir.path),
                 "gpufleet.function": self._function_name,
                 "gpufleet.launcher": self._launcher,
+                **self._code_tags,
             },
         )
         if not tracked.enabled:
@@ -126,6 +152,14 @@ class TrackingCallback(ControllerCallback):
         self._tracked[attempt] = tracked
         group.add_env(tracked.env())
         group.mlflow_run_id = tracked.run_id
+        from .links import run_line
+
+        try:
+            line = run_line(tracked.tracking_uri, str(tracked.run_id), tracked.experiment_id, tracked.experiment_name)
+            sys.stderr.write(f"gpufleet: {line}\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - a closed stream never stops the call
+            pass
 
     def after_start(self, group: WorkerGroup, attempt: int) -> None:
         tracked = self._tracked.get(attempt)

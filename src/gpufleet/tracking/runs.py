@@ -293,6 +293,15 @@ class TrackedRun:
             int(time.time() * 1000),
         )
 
+    def release(self) -> None:
+        """Hand the run over to another process: this one forgets it without ending it (see :func:`attach_tracked_run`)."""
+        with self._lock:
+            self._ended = True
+        _open_runs.discard(self)
+        if self._sampler is not None:
+            self._sampler.stop()
+            self._sampler = None
+
     def __enter__(self) -> TrackedRun:
         return self
 
@@ -485,4 +494,31 @@ def _open_run(
     if params:
         run.log_params(params)
     logger.debug("MLflow run %s in experiment %s at %s", info.run_id, experiment.name, uri)
+    return run
+
+
+def attach_tracked_run(
+    run_id: str, tracking_uri: str, experiment_id: str | None = None, experiment_name: str | None = None,
+    *, system_metrics: bool = True, system_metrics_interval_s: float | None = None, node_id: str | None = None,
+) -> TrackedRun:
+    """A run that another process opened (and :meth:`TrackedRun.release`d), to log into and end here.
+
+    A disabled run when MLflow is missing or the run cannot be found (a warning).
+    """
+    mlflow = _import_mlflow()
+    if mlflow is None:
+        return TrackedRun()
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=tracking_uri)
+        client.get_run(run_id)
+    except Exception as e:  # noqa: BLE001 - a broken tracking store must not stop training
+        message = f"MLflow tracking is off: could not find the run {run_id} at {tracking_uri}: {e}"
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return TrackedRun()
+    run = TrackedRun(client, run_id, experiment_id, experiment_name, tracking_uri)
+    if system_metrics:
+        run.start_system_metrics(system_metrics_interval_s, node_id)
     return run

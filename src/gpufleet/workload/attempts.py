@@ -18,9 +18,44 @@ from ..errors import EXIT, SIGNAL, WorkerGroupError
 from ..launch.controller import ControllerCallback
 from ..launch.group import GroupStartCanceled, WorkerGroup
 from ..states import CANCELED, FAILED, RUNNING, SUCCESS, TIMEDOUT, RunState
-from .nodes import WorkloadNodeGroup
+from .nodes import WorkloadNodeGroup, failed_line
 from .schema import WorkloadConfig
 from .store import AttemptRecord, RunRecord, RunStore
+
+#: Keys ``gpufleet run`` adds to the stored config of a run (not workload fields): the code
+#: version (:func:`gpufleet.codeversion.code_version`) and where its MLflow runs are.
+CODE_VERSION_KEY = "code_version"
+MLFLOW_KEY = "mlflow_tracking"
+
+
+def workload_document(stored: dict[str, Any]) -> dict[str, Any]:
+    """The workload of a stored run config (without the keys ``gpufleet run`` added)."""
+    return {k: v for k, v in stored.items() if k not in (CODE_VERSION_KEY, MLFLOW_KEY)}
+
+
+def attempt_run_name(config: WorkloadConfig, run_id: str, attempt: int) -> str:
+    """The MLflow run name of an attempt: ``mlflow_run_name`` (``-attempt-<n>`` after the first), else ``<run id>-attempt-<n>``."""
+    if config.mlflow_run_name:
+        return config.mlflow_run_name if attempt == 1 else f"{config.mlflow_run_name}-attempt-{attempt}"
+    return f"{run_id}-attempt-{attempt}"
+
+
+def open_attempt_run(
+    config: WorkloadConfig, run_id: str, attempt: int, code_version: dict[str, Any] | None, system_metrics: bool
+) -> Any:
+    """Open the MLflow run of one attempt (a disabled one when tracking is off or MLflow is missing)."""
+    from ..codeversion import mlflow_tags
+    from ..tracking import start_tracked_run
+
+    return start_tracked_run(
+        experiment_name=config.experiment_name,
+        run_name=attempt_run_name(config, run_id, attempt),
+        params=config.parameters,
+        enabled=True,
+        tags={"gpufleet.run_id": run_id, "gpufleet.attempt": attempt, "gpufleet.source": "workload",
+              **mlflow_tags(code_version)},  # fmt: skip
+        system_metrics=system_metrics,
+    )
 
 
 @dataclass(frozen=True)
@@ -54,7 +89,14 @@ def attempt_end(
     root = error.root_cause if isinstance(error, WorkerGroupError) else None
     if root is not None and root.kind in (EXIT, SIGNAL) and root.exit_code is not None:
         rank, code = root.rank, root.exit_code
-        return AttemptEnd(FAILED, code, f"node {rank} exited with code {code}; see `gpufleet logs {group.run_id} --node {rank}`")
+        where = ""
+        if root.kind == EXIT and isinstance(group, WorkloadNodeGroup):
+            line = failed_line(group.log_path(rank), group.command)
+            if line is not None:
+                where = f" at line {line[0]} of the command" + (f": `{line[1]}`" if line[1] else "")
+        return AttemptEnd(
+            FAILED, code, f"node {rank} exited with code {code}{where}; see `gpufleet logs {group.run_id} --node {rank}`"
+        )
     cause = error.__cause__ if isinstance(error, WorkerGroupError) and error.__cause__ is not None else error
     return AttemptEnd(FAILED, None, f"run failed: {cause}")
 
@@ -109,29 +151,30 @@ class WorkloadTracking(ControllerCallback):
     """
 
     def __init__(self, config: WorkloadConfig, store: RunStore, run: RunRecord, log: IO[str],
-                 system_metrics: bool, cancel_reason: Callable[[], str]) -> None:  # fmt: skip
+                 system_metrics: bool, cancel_reason: Callable[[], str],
+                 handed_over: Callable[[], dict[str, Any] | None] = lambda: None) -> None:  # fmt: skip
         self.config = config
         self.store = store
         self.run = run
         self.log = log
         self.system_metrics = system_metrics
         self.cancel_reason = cancel_reason
+        self.handed_over = handed_over  # the first attempt's MLflow run, opened by `gpufleet run`
         self._tracked: dict[int, Any] = {}
 
     def before_start(self, group: WorkerGroup, attempt: int) -> None:
         try:
-            from ..tracking import start_tracked_run
+            from ..tracking.runs import attach_tracked_run
         except ImportError as e:
             self.log.write(f"gpufleet: tracking is not available ({e}); this attempt is not tracked\n")
             return
-        tracked = start_tracked_run(
-            experiment_name=self.config.experiment_name,
-            run_name=f"{self.run.id}-attempt-{attempt}",
-            params=self.config.parameters,
-            enabled=True,
-            tags={"gpufleet.run_id": self.run.id, "gpufleet.attempt": attempt, "gpufleet.source": "workload"},
-            system_metrics=self.system_metrics,
-        )
+        opened = self.handed_over() if attempt == 1 else None
+        if opened:
+            tracked = attach_tracked_run(opened["run_id"], opened["tracking_uri"], opened.get("experiment_id"),
+                                         opened.get("experiment_name"), system_metrics=self.system_metrics)  # fmt: skip
+        else:
+            tracked = open_attempt_run(self.config, self.run.id, attempt, self.run.config.get(CODE_VERSION_KEY),
+                                       self.system_metrics)  # fmt: skip
         self._tracked[attempt] = tracked
         mlflow_run_id = getattr(tracked, "run_id", None)
         if not mlflow_run_id:
@@ -140,7 +183,7 @@ class WorkloadTracking(ControllerCallback):
         self.store.update_attempt(self.run.id, attempt, mlflow_run_id=mlflow_run_id)
         group.add_env(tracked.env())
         try:
-            tracked.log_config(self.run.config, artifact_file="workload.yaml")
+            tracked.log_config(workload_document(self.run.config), artifact_file="workload.yaml")
         except Exception as e:  # tracking trouble never stops the run
             self.log.write(f"gpufleet: could not log the workload config to MLflow: {e}\n")
 

@@ -166,7 +166,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .schema import WorkloadValidationError
     from .snapshot import SnapshotError
     from .store import StoreError
-    from .submit import plan, submit
+    from .submit import plan, submit_run
+    from .view import mlflow_links
 
     try:
         if args.dry_run:
@@ -176,9 +177,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             else:
                 _print_plan(result)
             return 0
-        run, created = submit(
+        done = submit_run(
             args.file, args.override, args.idempotency_key, tracking=not args.no_tracking, home=args.home
         )
+        run, created = done.run, done.created
     except WorkloadValidationError as e:
         return _invalid(e, args)
     except (UnsafeStateError, StoreError) as e:
@@ -192,9 +194,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"submitted run {run.id}: {run.num_nodes} node(s) x "
             f"{run.config['compute']['accelerator_type']}; follow it with `gpufleet logs {run.id} --follow`"
         )
+    if created:
+        for warning in done.warnings:
+            _err(f"warning: {warning}")
+        if done.mlflow_line:
+            _err(f"gpufleet: {done.mlflow_line}")
     if not args.watch:
         if args.output == "json":
-            _print_json({**run.to_dict(), "created": created})
+            _print_json({**run.to_dict(), "created": created, "mlflow_runs": mlflow_links(run, done.mlflow_run)})
         else:
             print(run.id, flush=True)
         return 0
@@ -204,12 +211,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     store = _store(args)
     try:
-        final = watch(store, run.id, out=sys.stderr if args.output == "json" else sys.stdout)
+        final = watch(store, run.id, out=sys.stderr if args.output == "json" else sys.stdout,
+                      mlflow_shown={done.mlflow_run["run_id"]} if done.mlflow_run else set())  # fmt: skip
     except KeyboardInterrupt:
         _err(f"stopped watching; run {run.id} goes on (cancel it with `gpufleet cancel {run.id}`)")
         return 130
     if args.output == "json":
-        _print_json({**final.to_dict(), "created": created})
+        _print_json({**final.to_dict(), "created": created, "mlflow_runs": mlflow_links(final)})
     return EXIT_CODES.get(final.state, 1)
 
 
@@ -232,6 +240,8 @@ def _print_plan(p: dict[str, Any]) -> None:
         f", {p['timeout_minutes']:g} min each" if p["timeout_minutes"] else ""))  # fmt: skip
     print(f"  parameters      {json.dumps(p['parameters'], default=str)}")
     print("  node env        " + " ".join(f"{k}={v}" for k, v in p["node_env"].items()))
+    if p.get("secrets"):
+        print("  secrets         " + ", ".join(f"{k} (from {v})" for k, v in p["secrets"].items()))
     print("  command         " + p["command"].strip().replace("\n", "\n                  "))
     for w in p["warnings"]:
         print(f"  warning: {w}")
@@ -244,14 +254,14 @@ def cmd_get(args: argparse.Namespace) -> int:
     """``gpufleet get RUN_ID``."""
     from .liveness import get_run
     from .store import RunNotFoundError
-    from .view import run_details
+    from .view import mlflow_links, run_details
 
     try:
         run = get_run(_store(args), args.run_id)
     except RunNotFoundError as e:
         return _not_found(e, args)
     if args.output == "json":
-        _print_json(run.to_dict())
+        _print_json({**run.to_dict(), "mlflow_runs": mlflow_links(run)})
     else:
         run_details(run)
     return 0

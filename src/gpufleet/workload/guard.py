@@ -5,6 +5,10 @@ session. It waits for the command and exits with its exit code. If the superviso
 (even by SIGKILL) it notices within a fraction of a second, terminates every process of its
 group (the command and whatever it started), and kills those that do not stop.
 
+When the node's environment holds secrets (their names in ``GPUFLEET_SECRETS``), the command's
+output goes through the guard, which writes it on with every secret value masked as ``***``
+(:class:`Masker`); otherwise the command writes to the node's log itself.
+
 The ranks torchrun starts write into files of a private folder, and the guard writes their
 lines into the node's log whole, each prefixed with its rank (:mod:`gpufleet.workload.ranklines`).
 
@@ -18,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 if __package__:
     from .procgroup import terminate_group
@@ -28,6 +33,75 @@ else:  # run by path: this file's folder is the first entry of sys.path
 
 _POLL_S = 0.25
 _GRACE_S = 5.0
+#: Names of the environment variables that hold secrets (``gpufleet.secrets.SECRETS_ENV``).
+SECRETS_ENV = "GPUFLEET_SECRETS"
+MASK = b"***"
+#: Seconds the guard keeps copying output after the command exited (what it started may hold the pipe).
+_DRAIN_S = 2.0
+
+
+class Masker:
+    """Masks secret values in a stream of bytes that may cut a value anywhere.
+
+    :meth:`feed` returns what can be written now: every whole value masked, and held back only
+    the end that could be the start of a value (so output is not delayed otherwise).
+    """
+
+    def __init__(self, values: list[bytes]) -> None:
+        self.values = sorted({v for v in values if v}, key=len, reverse=True)
+        self._held = b""
+
+    def _partial(self, data: bytes) -> int:
+        """Length of the longest end of ``data`` that is the start of a value (but not a whole one)."""
+        best = 0
+        for value in self.values:
+            i = data.find(value[:1], max(0, len(data) - len(value) + 1))
+            while i != -1 and len(data) - i > best:
+                if value.startswith(data[i:]):
+                    best = len(data) - i
+                    break
+                i = data.find(value[:1], i + 1)
+        return best
+
+    def feed(self, data: bytes) -> bytes:
+        data = self._held + data
+        for value in self.values:
+            data = data.replace(value, MASK)
+        keep = self._partial(data)
+        self._held = data[len(data) - keep :] if keep else b""
+        return data[: len(data) - keep]
+
+    def flush(self) -> bytes:
+        held, self._held = self._held, b""
+        return held
+
+
+def secret_values(environ: dict[str, str] | os._Environ[str]) -> list[bytes]:
+    """The values of the variables named in ``GPUFLEET_SECRETS``."""
+    names = [n for n in environ.get(SECRETS_ENV, "").split(",") if n]
+    return [os.fsencode(environ[n]) for n in names if environ.get(n)]
+
+
+def _copy_masked(pipe: int, masker: Masker) -> None:
+    """Copy the command's output to this process's stdout, masked, until the pipe closes."""
+    out = sys.stdout.fileno()
+
+    def write(data: bytes) -> None:
+        while data:
+            try:
+                data = data[os.write(out, data) :]
+            except OSError:  # the reader is gone (a dead Ray actor): keep draining the pipe
+                return
+
+    while True:
+        try:
+            chunk = os.read(pipe, 1 << 16)
+        except OSError:
+            break
+        if not chunk:
+            break
+        write(masker.feed(chunk))
+    write(masker.flush())
 
 
 def _stop_group() -> None:
@@ -53,10 +127,21 @@ def main(argv: list[str] | None = None) -> int:
     if rank_lines is not None:  # torchrun's ranks write into files; their lines reach the log whole
         os.environ.update(rank_lines.child_env())
         rank_lines.start()
-    child = subprocess.Popen(command)
+    secrets = secret_values(os.environ)
+    copier = None
+    if secrets:  # the output goes through the guard, which masks the values
+        read_end, write_end = os.pipe()
+        child = subprocess.Popen(command, stdout=write_end, stderr=write_end)
+        os.close(write_end)
+        copier = threading.Thread(target=_copy_masked, args=(read_end, Masker(secrets)), daemon=True)
+        copier.start()
+    else:
+        child = subprocess.Popen(command)
     while True:
         try:
             code = child.wait(timeout=_POLL_S)
+            if copier is not None:
+                copier.join(_DRAIN_S)  # the last lines; a process the command left behind may hold the pipe
             break
         except subprocess.TimeoutExpired:
             pass

@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import importlib
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -35,6 +36,16 @@ from ..results import OK, RunDir
 from .schema import WorkloadConfig
 
 GRACE_PERIOD_S = 5.0
+#: Put before a workload's ``command`` (one line, so the command's own lines keep their numbers
+#: less one): fail fast (``set -eEo pipefail``; ``set +e`` in the command opts out), and name the
+#: line that made the shell exit in the node's log (:data:`FAILED_LINE_RE`, read by :func:`failed_line`).
+COMMAND_PRELUDE = (
+    """set -eEo pipefail; trap '__gf_rc=$?; if [[ $- == *e* ]]; then __gf_in=; [[ $BASH_SUBSHELL == 0 ]] || """
+    """__gf_in=", in a subshell"; printf "gpufleet: the command failed at line %s (exit code %s%s): %s\\n" """
+    """"$((LINENO - 1))" "$__gf_rc" "$__gf_in" "$BASH_COMMAND" >&2; fi' ERR"""
+    "\n"
+)
+FAILED_LINE_RE = re.compile(r"^gpufleet: the command failed at line (\d+) \(exit code (\d+)(, in a subshell)?\): ")
 #: Grace of the stop that follows an attempt (whatever its commands left running).
 CLEANUP_GRACE_S = 1.0
 RAY_EXECUTOR_MODULE = "gpufleet.workload.ray_executor"
@@ -159,6 +170,37 @@ class LocalExecutor(NodeExecutor):
         return LocalNodeProcess(node)
 
 
+def node_script(command: str) -> str:
+    """The bash script a node runs: :data:`COMMAND_PRELUDE`, then the workload's ``command``."""
+    return COMMAND_PRELUDE + command
+
+
+def failed_line(log_path: str | Path, command: str, max_bytes: int = 1 << 16) -> tuple[int, str] | None:
+    """``(line number, text)`` of the ``command`` line that ended a node's script, from its log.
+
+    The last failure the top-level shell reported, or the innermost one of a subshell that led
+    to it (the first of the markers just before it). None when the log names none (the command
+    ran ``exit N``, was killed, or opted out with ``set +e``).
+    """
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - max_bytes))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    marks = [(int(m.group(1)), bool(m.group(3))) for m in map(FAILED_LINE_RE.match, lines) if m]
+    top = max((i for i, (_, sub) in enumerate(marks) if not sub), default=None)
+    if top is None:
+        return None
+    first = top
+    while first > 0 and marks[first - 1][1]:
+        first -= 1
+    number = marks[first][0]
+    source = command.splitlines()
+    text = source[number - 1].strip() if 0 < number <= len(source) else ""
+    return number, text[:200] + ("..." if len(text) > 200 else "")
+
+
 def needs_cluster(config: WorkloadConfig) -> bool:
     """Whether the workload must run on a Ray cluster (several nodes or a named cluster)."""
     return config.compute.cluster is not None or config.compute.num_nodes > 1
@@ -264,7 +306,8 @@ class WorkloadNodeGroup(WorkerGroup):
             raise
         self.rendezvous = Rendezvous(addr, port)
         for rank in range(self._num_command_nodes):
-            node = NodeSpec(rank, self.command, self.node_env(rank, self.rendezvous), self.cwd, str(self.log_path(rank)))
+            env = self.node_env(rank, self.rendezvous)
+            node = NodeSpec(rank, node_script(self.command), env, self.cwd, str(self.log_path(rank)))
             self.nodes.append(self.executor.start(node))
 
     def _known(self, rank: int) -> bool:

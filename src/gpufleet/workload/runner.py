@@ -8,6 +8,11 @@ the timeout restarting per attempt, retries of failed and timed-out attempts, an
 requests (``gpufleet cancel``, SIGTERM) stopping every node. The run store and MLflow learn
 about each attempt through the controller's callbacks (:mod:`gpufleet.workload.attempts`).
 
+What must not touch the disk reaches the supervisor through a pipe on its stdin at start
+(``--handoff-stdin``, one JSON document, read before anything else): the values of the run's
+``secrets`` (kept in memory, put in every node's environment only) and the MLflow run that
+``gpufleet run`` opened for the first attempt.
+
 The supervisor's files are private (umask 077). Its SIGTERM handler is in place before it
 marks the run RUNNING, and ``gpufleet cancel`` signals only RUNNING runs: a run canceled
 before that only has the request stored, which the supervisor reads as it starts. A busy
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -36,8 +42,9 @@ from ..launch.controller import Controller, ControllerCallback
 from ..launch.spec import LaunchSpec
 from ..private import UnsafeStateError, private_dir, private_file_opener
 from ..results import RunDir
+from ..secrets import secret_env
 from ..states import CANCELED, FAILED, TIMEDOUT, RunState
-from .attempts import AttemptRecorder, WorkloadTracking
+from .attempts import AttemptRecorder, WorkloadTracking, workload_document
 from .liveness import process_start_time
 from .nodes import (  # noqa: F401 - re-exported: the names this module had before nodes.py
     GRACE_PERIOD_S,
@@ -72,12 +79,15 @@ _DROPPED_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "MLFLOW_RUN_ID"
 class Supervisor:
     """Runs every attempt of one stored run and records what happens."""
 
-    def __init__(self, run_id: str, home: str | None) -> None:
+    def __init__(self, run_id: str, home: str | None, handoff: dict[str, Any] | None = None) -> None:
         self.log: IO[str] = sys.stderr
         self.store_wait_s = store_wait_s(STORE_WAIT_S, STORE_WAIT_ENV)
         self.store = RunStore(home, wait_s=self.store_wait_s, on_busy=self._on_busy)
         self.run = self.store.get(run_id)
-        self.config = WorkloadConfig.model_validate(self.run.config)
+        self.config = WorkloadConfig.model_validate(workload_document(self.run.config))
+        handoff = handoff or {}
+        self.secrets: dict[str, str] = dict(handoff.get("secrets") or {})  # in memory only
+        self.mlflow_run: dict[str, Any] | None = handoff.get("mlflow_run")  # attempt 1's, opened by `gpufleet run`
         self.run_dir = Path(self.run.run_dir)
         self.cancel_event = threading.Event()
         self.cancel_reason = "canceled by the user"
@@ -122,6 +132,7 @@ class Supervisor:
         with contextlib.suppress(OSError):
             touch_alive(self.run_dir)
         if not self.store.mark_running(self.run.id, pid, process_start_time(pid)):
+            self._end_unused_mlflow_run(CANCELED)
             return 0  # canceled (or marked failed) before it started
         if self.store.heartbeat(self.run.id)[1]:
             self.cancel_event.set()  # canceled before it started: the request waited in the store
@@ -134,8 +145,26 @@ class Supervisor:
             state, code, message = FAILED, None, f"run failed: {e}"
         finally:
             self._stop_heartbeat.set()
+        self._end_unused_mlflow_run(state)
         self.finish(state, code, message)
         return 0
+
+    def _take_mlflow_run(self) -> dict[str, Any] | None:
+        """The MLflow run ``gpufleet run`` opened for the first attempt (once)."""
+        opened, self.mlflow_run = self.mlflow_run, None
+        return opened
+
+    def _end_unused_mlflow_run(self, state: RunState) -> None:
+        """End the first attempt's MLflow run when the run ended before that attempt started."""
+        opened = self._take_mlflow_run()
+        if not opened:
+            return
+        try:
+            from ..tracking.runs import attach_tracked_run
+
+            attach_tracked_run(opened["run_id"], opened["tracking_uri"], system_metrics=False).end(str(state))
+        except Exception as e:  # tracking trouble never changes the run's outcome
+            self.log.write(f"gpufleet: could not end the MLflow run {opened.get('run_id')}: {e}\n")
 
     def finish(self, state: RunState, code: int | None, message: str | None) -> None:
         """Record the outcome: in the run folder first (no lock can stop that), then in the store.
@@ -171,7 +200,7 @@ class Supervisor:
 
         envs_dir = private_dir(self.store.home / "envs", "the environments folder")
         with open(self.run_dir / "environment.log", "a", opener=private_file_opener) as log:
-            return str(ensure_environment(deps, envs_dir, log, cancel=self.cancel_event))
+            return str(ensure_environment(deps, envs_dir, log, cancel=self.cancel_event, base_dir=self.run_dir / "code"))
 
     def _run_attempts(self) -> tuple[RunState, int | None, str | None]:
         from .envs import EnvironmentSetupCanceled
@@ -196,7 +225,7 @@ class Supervisor:
             callbacks.append(WorkloadTracking(
                 self.config, self.store, self.run, self.log,
                 system_metrics=not needs_cluster(self.config),  # on Ray each node samples itself (launch/ray_actor.py)
-                cancel_reason=lambda: self.cancel_reason,
+                cancel_reason=lambda: self.cancel_reason, handed_over=self._take_mlflow_run,
             ))  # fmt: skip
         timeout_min = self.config.timeout_minutes
         controller = Controller(
@@ -244,6 +273,7 @@ class Supervisor:
             GPUFLEET_RUN_DIR=str(self.run_dir),
             GPUFLEET_CHECKPOINT_DIR=str(self.run_dir / "checkpoints"),
         )
+        env.update(secret_env(self.secrets))  # the values, and their names for the guard that masks them
         return env
 
     def make_group(self, executor: NodeExecutor, attempt: int, bin_dir: str) -> WorkloadNodeGroup:
@@ -267,15 +297,22 @@ class Supervisor:
         )  # fmt: skip
 
 
-def start_supervisor(run_id: str, home: Path, run_dir: Path) -> subprocess.Popen[bytes]:
-    """Start the detached supervisor of a run; it outlives the calling process."""
+def start_supervisor(
+    run_id: str, home: Path, run_dir: Path, handoff: dict[str, Any] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start the detached supervisor of a run; it outlives the calling process.
+
+    ``handoff`` (secret values, the first attempt's MLflow run) goes to it through a pipe, never
+    through a file or its command line.
+    """
     log = open(run_dir / "supervisor.log", "ab", opener=private_file_opener)  # noqa: SIM115 - the child holds it
     env = dict(os.environ)
     env["GPUFLEET_RUN_ID"] = run_id
+    argv = [sys.executable, "-m", "gpufleet.workload.runner", run_id, "--home", str(home)]
     try:
-        return subprocess.Popen(
-            [sys.executable, "-m", "gpufleet.workload.runner", run_id, "--home", str(home)],
-            stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(
+            argv + (["--handoff-stdin"] if handoff else []),
+            stdin=subprocess.PIPE if handoff else subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # no terminal signals, survives the CLI
@@ -284,6 +321,26 @@ def start_supervisor(run_id: str, home: Path, run_dir: Path) -> subprocess.Popen
         )
     finally:
         log.close()
+    if handoff:
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(json.dumps(handoff).encode())
+        except BrokenPipeError:  # it died at once: the liveness check records that
+            pass
+        finally:
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
+    return proc
+
+
+def _read_handoff() -> dict[str, Any]:
+    """The JSON document ``gpufleet run`` wrote to this process's stdin; stdin is then /dev/null."""
+    data = sys.stdin.buffer.read()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # the nodes inherit nothing of the pipe
+    os.close(null)
+    handoff = json.loads(data or b"{}")
+    return handoff if isinstance(handoff, dict) else {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,9 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpufleet.workload.runner")
     parser.add_argument("run_id")
     parser.add_argument("--home", default=None)
+    parser.add_argument("--handoff-stdin", action="store_true", help="read secrets and the MLflow run from stdin")
     args = parser.parse_args(argv)
+    handoff = _read_handoff() if args.handoff_stdin else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    supervisor = Supervisor(args.run_id, args.home)
+    supervisor = Supervisor(args.run_id, args.home, handoff)
     return supervisor.main()
 
 

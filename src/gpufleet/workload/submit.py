@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ from ..private import private_dir, private_file_opener
 from ..results import new_run_id
 from .liveness import list_runs, process_start_time
 from .schema import Problem, WorkloadConfig, WorkloadValidationError, load_workload
-from .snapshot import check_code_source, list_files, snapshot
+from .snapshot import check_code_source, list_files, scan, snapshot
 from .store import FAILED, PENDING, RunRecord, RunStore
 
 logger = logging.getLogger(__name__)
@@ -34,13 +36,78 @@ def load_and_check(path: str | Path, overrides: list[str] | None = None) -> tupl
     p = Path(path)
     config, _ = load_workload(p, overrides)
     root = code_root(config, p)
+    problems: list[str] = []
     if root is not None:
         problems = check_code_source(root, config.code_source.include_paths if config.code_source else None)
-        if problems:
-            raise WorkloadValidationError(
-                [Problem(m.split(": ", 1)[0], m.split(": ", 1)[1]) for m in problems], str(p)
-            )
+    if not problems:
+        problems = requirement_file_problems(config, root)
+    if problems:
+        raise WorkloadValidationError([Problem(m.split(": ", 1)[0], m.split(": ", 1)[1]) for m in problems], str(p))
     return config, root
+
+
+def requirement_files(config: WorkloadConfig) -> list[tuple[int, str]]:
+    """``(index, path)`` of each requirement file (``-r`` / ``-c``) of ``environment.dependencies``."""
+    from .envs import FILE_OPTIONS, split_dependency
+
+    out = []
+    for i, item in enumerate(config.environment.dependencies):
+        words = split_dependency(item)
+        if words[0] in FILE_OPTIONS:
+            out.append((i, words[1]))
+    return out
+
+
+def requirement_file_problems(config: WorkloadConfig, root: Path | None, files: list[str] | None = None) -> list[str]:
+    """Requirement files that are not under the code folder (or, given its ``files``, not in its snapshot)."""
+    problems = []
+    for i, rel in requirement_files(config):
+        where = f"environment.dependencies[{i}]"
+        if root is None:
+            problems.append(f"{where}: {rel!r} is read from the code folder, but the workload has no code_source")
+        elif not (root / rel).is_file():
+            problems.append(f"{where}: requirement file {rel!r} does not exist under {root}")
+        elif files is not None and Path(rel).as_posix().removeprefix("./") not in files:
+            problems.append(f"{where}: requirement file {rel!r} is not part of the code snapshot (.gitignore or "
+                            "code_source.include_paths leave it out)")  # fmt: skip
+    return problems
+
+
+def config_warnings(config: WorkloadConfig) -> list[str]:
+    """What to tell before running a workload: ``env_variables`` whose names look like secrets."""
+    from ..tracking.runs import looks_secret
+
+    return [
+        f"env_variables.{name} looks like a secret: its value is stored with the run (run store, workload.yaml, "
+        f"`gpufleet get`); pass it as a secret instead: secrets: {{{name}: {{env: {name}}}}}"
+        for name in config.env_variables
+        if looks_secret(name)
+    ]
+
+
+def read_secrets(config: WorkloadConfig, workload_path: Path) -> dict[str, str]:
+    """The values of the workload's secrets (files relative to the workload file's folder).
+
+    Raises :class:`WorkloadValidationError` naming each secret that cannot be read, and each
+    whose value also appears in the workload (it would be stored with it).
+    """
+    from ..secrets import SecretError, read_secret
+
+    base = workload_path.resolve().parent
+    values, problems = {}, []
+    for name, source in config.secrets.items():
+        try:
+            values[name] = read_secret(name, source, base)
+        except SecretError as e:
+            problems.append(Problem(f"secrets.{name}", str(e).removeprefix(f"secret {name}: ")))
+    stored = json.dumps(config.model_dump(mode="json"))
+    for name, value in values.items():
+        if len(value) >= 4 and value in stored:
+            problems.append(Problem(f"secrets.{name}", "its value also appears in the workload (command, "
+                                    "env_variables or parameters), which is stored with the run; remove it there"))  # fmt: skip
+    if problems:
+        raise WorkloadValidationError(problems, str(workload_path))
+    return values
 
 
 def local_gpu_problem(config: WorkloadConfig) -> str | None:
@@ -83,7 +150,7 @@ def plan(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]
         "code_root": str(root) if root else None,
         "code_files": len(files),
         "dependencies": config.environment.dependencies,
-        "environment_hash": env_hash(config.environment.dependencies) if config.environment.dependencies else None,
+        "environment_hash": env_hash(config.environment.dependencies, root) if config.environment.dependencies else None,
         "max_attempts": config.max_retries + 1,
         "timeout_minutes": config.timeout_minutes,
         "parameters": config.parameters,
@@ -95,12 +162,32 @@ def plan(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]
             **config.env_strings(),
         },
         "command": config.command,
-        "warnings": [],
+        "secrets": {name: " ".join(next(iter(source.items()))) for name, source in config.secrets.items()},
+        "warnings": config_warnings(config),
     }
+    problems = requirement_file_problems(config, root, files)
+    if problems:
+        raise WorkloadValidationError([Problem(*m.split(": ", 1)) for m in problems], str(path))
+    try:
+        read_secrets(config, Path(path))
+    except WorkloadValidationError as e:  # they may be set only where the run is submitted
+        out["warnings"] += [f"{p.path} cannot be read now: {p.message}" for p in e.problems]
     problem = local_gpu_problem(config)
     if problem:
         out["warnings"].append(f"this machine could not run it now: {problem}")
     return out
+
+
+@dataclass
+class Submission:
+    """What ``gpufleet run`` did: the run, whether it is new, its first MLflow run, what to warn about."""
+
+    run: RunRecord
+    created: bool
+    mlflow_line: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    #: ``{"attempt": 1, "run_id", "link"}`` of the first attempt's MLflow run, when it was opened.
+    mlflow_run: dict[str, Any] | None = None
 
 
 def submit(
@@ -113,9 +200,28 @@ def submit(
     """Validate a workload, store a PENDING run, snapshot its code and start its supervisor.
 
     Returns ``(run, created)``; ``created`` is False when ``idempotency_key`` named an
-    existing run, which is returned unchanged.
+    existing run, which is returned unchanged. See :func:`submit_run`.
     """
+    done = submit_run(path, overrides, idempotency_key, tracking, home)
+    return done.run, done.created
+
+
+def submit_run(
+    path: str | Path,
+    overrides: list[str] | None = None,
+    idempotency_key: str | None = None,
+    tracking: bool = True,
+    home: str | Path | None = None,
+) -> Submission:
+    """Validate a workload, store a PENDING run, snapshot its code and start its supervisor.
+
+    The secrets are read now and handed to the supervisor through a pipe; the code version of
+    the code folder is stored with the run; with tracking on, the first attempt's MLflow run is
+    opened now, so that its id and link can be shown at once.
+    """
+    from ..codeversion import code_version
     from ..errors import GPUUnavailableError
+    from .attempts import CODE_VERSION_KEY, MLFLOW_KEY
     from .nodes import check_executor_available
     from .runner import start_supervisor
 
@@ -125,11 +231,12 @@ def submit(
     if idempotency_key is not None:
         existing = list_runs(store, states=None, limit=1, filters={"idempotency_key": idempotency_key})
         if existing:
-            return existing[0], False
+            return Submission(existing[0], False)
     check_executor_available(config)
     problem = local_gpu_problem(config)
     if problem:
         raise GPUUnavailableError(problem)
+    secrets = read_secrets(config, p)  # in memory from here on; never stored
     resolved = config
     if config.code_source is not None and root is not None:
         resolved = config.model_copy(
@@ -138,12 +245,26 @@ def submit(
     runs_dir = private_dir(store.runs_dir, "the workload runs folder")  # before anything is stored
     run_id = new_run_id(config.experiment_name)
     run_dir = runs_dir / run_id
+    stored = resolved.model_dump(mode="json")
+    version = code_version(root) if root is not None else None
+    if version is not None:
+        stored[CODE_VERSION_KEY] = version
+    tracked = _open_first_mlflow_run(config, run_id, version) if tracking else None
+    handoff: dict[str, Any] = {"secrets": secrets} if secrets else {}
+    if tracked is not None:
+        from ..tracking.links import server_address
+
+        uri = str(tracked.tracking_uri)
+        stored[MLFLOW_KEY] = {"tracking_uri": server_address(uri) or uri, "experiment_id": tracked.experiment_id,
+                              "experiment": tracked.experiment_name}  # fmt: skip
+        handoff["mlflow_run"] = {"run_id": tracked.run_id, "tracking_uri": uri,
+                                 "experiment_id": tracked.experiment_id, "experiment_name": tracked.experiment_name}  # fmt: skip
     record = RunRecord(
         id=run_id,
         experiment=config.experiment_name,
         state=PENDING,
         created_at=_now(),
-        config=resolved.model_dump(mode="json"),
+        config=stored,
         run_dir=str(run_dir),
         num_nodes=config.compute.num_nodes,
         world_size=config.compute.num_accelerators,
@@ -152,26 +273,69 @@ def submit(
         idempotency_key=idempotency_key,
         workload_path=str(p.resolve()),
     )
-    run, created = store.create_run(record)
+    try:
+        run, created = store.create_run(record)
+    except BaseException:
+        if tracked is not None:
+            tracked.end("FAILED")
+        raise
     if not created:
-        return run, False
+        if tracked is not None:
+            tracked.end("CANCELED")  # another submission with this key won the race
+        return Submission(run, False)
     try:
         private_dir(run_dir, "the run folder")
         code_dir = private_dir(run_dir / "code", "the run's code snapshot")
         if root is not None and config.code_source is not None:
-            snapshot(root, code_dir, config.code_source.include_paths)
+            _snapshot(config, root, code_dir, p)
         _write_private(run_dir / "hyperparameters.yaml", config.parameters)
         _write_private(run_dir / "workload.yaml", resolved.model_dump(mode="json"))
-        proc = start_supervisor(run_id, store.home, run_dir)
+        proc = start_supervisor(run_id, store.home, run_dir, handoff)
     except Exception as e:
         store.finish_run(run_id, FAILED, message=f"could not start the run: {e}")
+        if tracked is not None:
+            tracked.end("FAILED")
         raise
+    line = first = None
+    if tracked is not None:
+        from ..tracking.links import run_line, run_link
+
+        tracked.release()  # the supervisor logs into it and ends it
+        line = run_line(tracked.tracking_uri, str(tracked.run_id), tracked.experiment_id, tracked.experiment_name)
+        link = run_link(tracked.tracking_uri, str(tracked.run_id), tracked.experiment_id)
+        first = {"attempt": 1, "run_id": tracked.run_id, "link": link}
     try:
         started: float | None = process_start_time(proc.pid)
     except Exception:  # it already exited: the liveness check will see that
         started = None
     store.update_run(run_id, supervisor_pid=proc.pid, supervisor_started=started)
-    return store.get(run_id), True
+    return Submission(store.get(run_id), True, line, config_warnings(config), first)
+
+
+def _open_first_mlflow_run(config: WorkloadConfig, run_id: str, version: dict[str, Any] | None) -> Any:
+    """The first attempt's MLflow run, opened here (None when tracking is off or MLflow cannot be used)."""
+    from ..tracking import tracking_enabled
+
+    if not tracking_enabled():
+        return None
+    from .attempts import open_attempt_run
+
+    tracked = open_attempt_run(config, run_id, 1, version, system_metrics=False)
+    return tracked if tracked.enabled else None
+
+
+def _snapshot(config: WorkloadConfig, root: Path, code_dir: Path, workload_path: Path) -> None:
+    """Copy the code folder into the run, without the files secrets are read from; check the requirement files."""
+    from ..secrets import secret_files
+
+    assert config.code_source is not None
+    hidden = set(secret_files(config.secrets, workload_path.resolve().parent))
+    real = root.resolve()
+    entries = [e for e in scan(root, config.code_source.include_paths) if (real / e.rel).resolve() not in hidden]
+    problems = requirement_file_problems(config, root, [e.rel for e in entries])
+    if problems:
+        raise WorkloadValidationError([Problem(*m.split(": ", 1)) for m in problems], str(workload_path))
+    snapshot(root, code_dir, config.code_source.include_paths, entries=entries)
 
 
 def _write_private(path: Path, document: Any) -> None:

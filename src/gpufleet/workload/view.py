@@ -191,14 +191,19 @@ def watch(
     status_out: IO[str] | None = None,
     poll_s: float = 0.25,
     node: int | None = None,
+    mlflow_shown: set[str] | None = None,
 ) -> RunRecord:
-    """Stream a run's logs with its status until it ends; returns the final record."""
+    """Stream a run's logs with its status until it ends; returns the final record.
+
+    Each attempt's MLflow run is shown once it is known (those in ``mlflow_shown`` were already).
+    """
     out = out or sys.stdout
     status_out = status_out or sys.stderr
     run = get_run(store, run_id)
     follower = LogFollower(run, node=node)
+    shown = set(mlflow_shown or ())
     if is_terminal(status_out) and status_out is sys.stderr and out is sys.stdout and is_terminal(out):
-        return _watch_rich(store, run, follower, poll_s)
+        return _watch_rich(store, run, follower, poll_s, shown)
     last_status = ""
 
     def emit_status(r: RunRecord) -> None:
@@ -207,6 +212,9 @@ def watch(
         if key != last_status:
             last_status = key
             status_out.write(f"gpufleet: {status_line(r)}\n")
+            status_out.flush()
+        for line in _new_mlflow_lines(r, shown):
+            status_out.write(f"gpufleet: {line}\n")
             status_out.flush()
 
     emit_status(run)
@@ -222,7 +230,8 @@ def watch(
         run = get_run(store, run.id)
 
 
-def _watch_rich(store: RunStore, run: RunRecord, follower: LogFollower, poll_s: float) -> RunRecord:
+def _watch_rich(store: RunStore, run: RunRecord, follower: LogFollower, poll_s: float,
+                shown: set[str] | None = None) -> RunRecord:  # fmt: skip
     from rich.console import Console
     from rich.live import Live
     from rich.spinner import Spinner
@@ -247,6 +256,8 @@ def _watch_rich(store: RunStore, run: RunRecord, follower: LogFollower, poll_s: 
             done = run.state in TERMINAL_STATES
             for prefix, line in follower.read(run, final=done):
                 live.console.print(Text(prefix, style="dim") + Text(line), soft_wrap=True)
+            for line in _new_mlflow_lines(run, shown if shown is not None else set()):
+                live.console.print(Text(line, style="dim"), soft_wrap=True)
             live.update(render(run))
             if done:
                 return run
@@ -337,6 +348,7 @@ def run_details(run: RunRecord, out: IO[str] | None = None) -> None:
         ("exit code", "-" if run.exit_code is None else str(run.exit_code)),
         ("message", run.message or "-"),
         ("idempotency key", run.idempotency_key or "-"),
+        ("code version", _code_version(run)),
         ("run dir", run.run_dir),
         ("workload", run.workload_path or "-"),
         ("supervisor pid", "-" if run.supervisor_pid is None else str(run.supervisor_pid)),
@@ -350,7 +362,53 @@ def run_details(run: RunRecord, out: IO[str] | None = None) -> None:
             f"ended {fmt_time(a.ended_at)}  exit code {'-' if a.exit_code is None else a.exit_code}  "
             f"mlflow run {a.mlflow_run_id or '-'}\n"
         )
+        if a.mlflow_run_id:
+            out.write(f"  mlflow: {_mlflow_link(run, a.mlflow_run_id)}\n")
         if a.message:
             out.write(f"  {a.message}\n")
         for n in range(run.command_nodes):
             out.write(f"  node {n} log: {Path(a.log_dir) / f'node-{n}.log'}\n")
+
+
+# ------------------------------------------------------------------ code version and MLflow
+
+
+def _code_version(run: RunRecord) -> str:
+    from ..codeversion import describe
+
+    return describe(run.config.get("code_version"))
+
+
+def _mlflow_link(run: RunRecord, mlflow_run_id: str) -> str:
+    """How to open one of the run's MLflow runs (its store as recorded at submission, else this shell's)."""
+    from ..tracking.links import run_link
+
+    where = run.config.get("mlflow_tracking") or {}
+    uri = where.get("tracking_uri")
+    if not uri:
+        from ..tracking.runs import default_tracking_uri
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+    return run_link(uri, mlflow_run_id, where.get("experiment_id"))
+
+
+def mlflow_links(run: RunRecord, first: dict[str, object] | None = None) -> list[dict[str, object]]:
+    """``{"attempt", "run_id", "link"}`` of each attempt's MLflow run (``first``: the first one, before its attempt started)."""
+    out: list[dict[str, object]] = [
+        {"attempt": a.attempt, "run_id": a.mlflow_run_id, "link": _mlflow_link(run, a.mlflow_run_id)}
+        for a in run.attempts
+        if a.mlflow_run_id
+    ]
+    if first is not None and not any(o["run_id"] == first.get("run_id") for o in out):
+        out.insert(0, dict(first))
+    return out
+
+
+def _new_mlflow_lines(run: RunRecord, shown: set[str]) -> list[str]:
+    """A line for each attempt's MLflow run not shown yet (recorded in ``shown``)."""
+    lines = []
+    for a in run.attempts:
+        if a.mlflow_run_id and a.mlflow_run_id not in shown:
+            shown.add(a.mlflow_run_id)
+            lines.append(f"attempt {a.attempt}: MLflow run {a.mlflow_run_id}: {_mlflow_link(run, a.mlflow_run_id)}")
+    return lines

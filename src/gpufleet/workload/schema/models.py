@@ -144,9 +144,14 @@ class EnvironmentConfig(_Strict):
         default_factory=list,
         description=(
             "pip requirement specs installed into a per-run virtual environment layered on the "
-            "current one (cached by the hash of the list), e.g. ['trl==1.16.0', 'mypkg @ file:///w/mypkg.whl']."
+            "current one (cached by the hash of the list and of the requirement files it names), "
+            "e.g. ['trl==1.16.0', 'mypkg @ file:///w/mypkg.whl']. Items may also be pip options, "
+            "one per item with its value: '-r requirements.txt' and '-c constraints.txt' (relative "
+            "to code_source.root_path), '--index-url URL', '--extra-index-url URL', '--find-links "
+            "URL_OR_FOLDER', '--trusted-host HOST', '--no-index', '--no-build-isolation', '--pre', "
+            "'--prefer-binary'."
         ),
-        examples=[["trl==1.16.0"]],
+        examples=[["trl==1.16.0"], ["-r requirements.txt", "--extra-index-url https://download.pytorch.org/whl/cu126"]],
     )
 
     @field_validator("dependencies")
@@ -154,11 +159,23 @@ class EnvironmentConfig(_Strict):
     def _check_deps(cls, v: list[str]) -> list[str]:
         from packaging.requirements import InvalidRequirement, Requirement
 
+        from ..envs import FILE_OPTIONS, split_dependency
+
         bad = []
         for i, spec in enumerate(v):
             s = spec.strip()
-            if not s or s.startswith("-"):
-                bad.append(f"[{i}] {spec!r} (pip options are not allowed, only requirement specs)")
+            if not s:
+                bad.append(f"[{i}] {spec!r}")
+                continue
+            if s.startswith("-"):
+                try:
+                    words = split_dependency(s)
+                except ValueError as e:
+                    bad.append(f"[{i}] {e}")
+                    continue
+                if words[0] in FILE_OPTIONS and (Path(words[1]).is_absolute() or ".." in Path(words[1]).parts
+                                                 or words[1].startswith("~")):  # fmt: skip
+                    bad.append(f"[{i}] {words[1]!r} must be a path relative to code_source.root_path (no '..')")
                 continue
             if "/" in s or s.startswith("."):
                 continue  # a local path or URL of a wheel / sdist
@@ -168,8 +185,8 @@ class EnvironmentConfig(_Strict):
                 bad.append(f"[{i}] {spec!r}")
         if bad:
             raise ValueError(
-                "not pip requirement specs such as 'trl==1.16.0' or 'name @ file:///path.whl': "
-                + ", ".join(bad)
+                "not pip requirement specs such as 'trl==1.16.0' or 'name @ file:///path.whl', or "
+                "allowed pip options such as '-r requirements.txt': " + ", ".join(bad)
             )
         return v
 
@@ -250,6 +267,25 @@ class WorkloadConfig(_Strict):
         description="Extra environment variables of every node (names [A-Za-z_][A-Za-z0-9_]*).",
         examples=[{"HF_HOME": "/tmp/hf"}],
     )
+    secrets: dict[str, dict[str, str]] = Field(
+        default_factory=dict,
+        description=(
+            "Environment variables of every node whose values are secrets, read when the run is "
+            "submitted: NAME: {env: VARIABLE} (from the submitting shell) or NAME: {file: PATH} (a "
+            "file's content without its last line end; relative to the workload file). The values "
+            "are never written to the run store, the run folder, MLflow or any output, and are "
+            "masked as *** in the node logs; a file inside the code folder is left out of the snapshot."
+        ),
+        examples=[{"HF_TOKEN": {"env": "HF_TOKEN"}, "WANDB_API_KEY": {"file": "~/.secrets/wandb"}}],
+    )
+    mlflow_run_name: str | None = Field(
+        default=None,
+        description=(
+            "Name of the MLflow run of the first attempt (later attempts: <name>-attempt-<n>); "
+            "absent: <run id>-attempt-<n>."
+        ),
+        examples=["sft-lr2e-5"],
+    )
     parameters: dict[str, Any] = Field(
         default_factory=dict,
         description="Hyperparameters, written as YAML to the file at $HYPERPARAMETERS_PATH.",
@@ -308,6 +344,30 @@ class WorkloadConfig(_Strict):
         nul = [k for k, val in v.items() if isinstance(val, str) and "\x00" in val]
         if nul:
             raise ValueError(f"values must not contain NUL characters: {', '.join(nul)}")
+        return v
+
+    @field_validator("secrets")
+    @classmethod
+    def _check_secrets(cls, v: dict[str, dict[str, str]], info: ValidationInfo) -> dict[str, dict[str, str]]:
+        from ...secrets import SECRETS_ENV, source_problems
+
+        problems = [p for name, source in v.items() for p in source_problems(name, source)]
+        reserved = [k for k in v if k in RESERVED_ENV or k == SECRETS_ENV]
+        if reserved:
+            problems.append(f"{', '.join(reserved)} {'is' if len(reserved) == 1 else 'are'} set by gpufleet")
+        both = [k for k in v if k in (info.data.get("env_variables") or {})]
+        if both:
+            problems.append(f"{', '.join(both)} {'is' if len(both) == 1 else 'are'} in env_variables too; keep "
+                            "a secret in secrets only")  # fmt: skip
+        if problems:
+            raise ValueError("; ".join(problems))
+        return v
+
+    @field_validator("mlflow_run_name")
+    @classmethod
+    def _check_run_name(cls, v: str | None) -> str | None:
+        if v is not None and (not v.strip() or len(v) > 200 or "\x00" in v):
+            raise ValueError("must be 1 to 200 characters")
         return v
 
     @field_validator("parameters")

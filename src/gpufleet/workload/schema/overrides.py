@@ -11,7 +11,7 @@ from .models import WorkloadConfig, submodel
 from .problems import Problem, WorkloadValidationError
 from .yaml_loader import WorkloadLoader
 
-_FREE_FORM = {"parameters": "any", "env_variables": "str"}
+_FREE_FORM = {"parameters": "any", "env_variables": "str", "secrets": "any"}
 
 
 def _field_kind(path: list[str]) -> str:
