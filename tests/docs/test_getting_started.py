@@ -32,7 +32,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _for_the_test(line: str) -> str:
+def _for_the_test(line: str, tmp: Path) -> str:
     if line.startswith("scripts/demo.sh"):
         return line + " --epochs 3"
     if line.startswith("pip install"):
@@ -49,8 +49,9 @@ def _for_the_test(line: str) -> str:
             "sys.exit('mlflow ui did not answer')\n"
         )
         # its own process group (set -m), so that stopping it stops its server workers too
-        return (f"set -m; {line} --port {port} > mlflow-ui.log 2>&1 & ui=$!; set +m\n"
-                f"python -c \"{probe}\" || {{ cat mlflow-ui.log; kill -- -$ui; exit 1; }}\n"
+        log = tmp / "mlflow-ui.log"
+        return (f"set -m; {line} --port {port} > {log} 2>&1 & ui=$!; set +m\n"
+                f"python -c \"{probe}\" || {{ cat {log}; kill -- -$ui; exit 1; }}\n"
                 "kill -- -$ui; wait $ui || true")  # fmt: skip
     return line
 
@@ -58,7 +59,7 @@ def _for_the_test(line: str) -> str:
 def test_every_bash_command_of_the_page_runs_in_order(tmp_path: Path) -> None:
     lines = [line for block in _blocks("bash") for line in block.splitlines() if line.strip()]
     assert lines[0] == "scripts/demo.sh" and any(line.startswith("mlflow ui") for line in lines)
-    script = "set -euo pipefail\n" + "".join(f"echo {shlex.quote('+ ' + line)}\n{_for_the_test(line)}\n" for line in lines)
+    script = "set -euo pipefail\n" + "".join(f"echo {shlex.quote('+ ' + line)}\n{_for_the_test(line, tmp_path)}\n" for line in lines)
     (tmp_path / "page.sh").write_text(script)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "GPUFLEET_", "VIRTUAL_ENV"))}
     env["GPUFLEET_HOME"] = str(tmp_path / "home")  # a new user's state, in the default MLflow store

@@ -15,6 +15,7 @@ from tests.workload.helpers import cli, wait_state, write_workload
 TRAIN = """
 import os, sys
 rank = int(os.environ["RANK"])
+print(f"rank {rank} logdir {os.environ['PET_LOG_DIR']}")
 for i in range(1000):
     # print() writes the text and the newline apart: unbuffered, another rank's line could land between
     print(f"rank {rank} line {i:04d} " + "x" * (i % 50))
@@ -25,10 +26,11 @@ sys.stdout.write(f"rank {rank} last words")  # no newline at the end
 
 
 def test_two_ranks_printing_1000_lines_each_never_share_a_line(
-    tmp_path: Path, home: Path, store: RunStore, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, home: Path, store: RunStore, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    tmp = Path(os.environ.get("TMPDIR", "/tmp"))
-    before = set(tmp.glob("gpufleet-ranks-*"))
+    tmp = tmp_path / "tmp"  # the node guard's temporary folders go here
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
     code = tmp_path / "code"
     code.mkdir()
     (code / "train.py").write_text(TRAIN)
@@ -40,19 +42,41 @@ def test_two_ranks_printing_1000_lines_each_never_share_a_line(
     run = wait_state(store, out.strip(), timeout=120)
     assert run.state == "SUCCESS", run.message
     log = Path(run.attempts[-1].log_paths()[0]).read_text()
-    pattern = re.compile(r"\[rank (\d)\] rank (\d) (line (\d{4}) (x*)|warning \d+|last words)")
+    pattern = re.compile(r"\[rank (\d)\] rank (\d) (line (\d{4}) (x*)|warning \d+|last words|logdir (\S+))")
     seen: dict[int, list[int]] = {0: [], 1: []}
     for line in log.splitlines():
         m = pattern.fullmatch(line)
         assert m, f"a line that is not one rank's whole line: {line!r}"
         assert m.group(1) == m.group(2), line  # the prefix names the rank that wrote it
+        if m.group(6):
+            assert Path(m.group(6)).parent == tmp, line  # torchrun's folder was the guard's own
         if m.group(4):
             seen[int(m.group(1))].append(int(m.group(4)))
             assert len(m.group(5)) == int(m.group(4)) % 50, line
     assert seen == {0: list(range(1000)), 1: list(range(1000))}  # every line, in each rank's order
     assert log.count("last words") == 2
     assert "OMP_NUM_THREADS" not in log  # torchrun's banner stays away (the node sets it)
-    assert set(tmp.glob("gpufleet-ranks-*")) <= before  # the guard removed torchrun's folder
+    assert not list(tmp.glob("gpufleet-ranks-*"))  # the guard removed torchrun's folder
+
+
+def test_a_secret_printed_by_a_torchrun_rank_is_masked_in_its_lines(
+    tmp_path: Path, home: Path, store: RunStore, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    value = "gf-rank-secret-" + os.urandom(6).hex()
+    monkeypatch.setenv("GF_TEST_RANK_SECRET", value)
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "show.py").write_text('import os; print("token:", os.environ["API_TOKEN"], "rank", os.environ["RANK"])\n')
+    command = "torchrun --nproc-per-node=$LOCAL_WORLD_SIZE --master-addr=$MASTER_ADDR --master-port=$MASTER_PORT show.py"
+    wl = write_workload(code, compute={"accelerator_type": "CPU_2", "num_accelerators": 2}, command=command,
+                        code_source={"root_path": "."}, secrets={"API_TOKEN": {"env": "GF_TEST_RANK_SECRET"}})  # fmt: skip
+    rc, out, err = cli(capsys, "run", "-f", str(wl), "--no-tracking")
+    assert rc == 0, err
+    run = wait_state(store, out.strip(), timeout=120)
+    assert run.state == "SUCCESS", run.message
+    log = Path(run.attempts[-1].log_paths()[0]).read_text()
+    assert "[rank 0] token: *** rank 0" in log and "[rank 1] token: *** rank 1" in log, log
+    assert value not in log
 
 
 def _rank_file(folder: str, local_rank: int, stream: str = "stdout.log") -> Path:

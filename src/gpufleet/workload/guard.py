@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 
 if __package__:
     from .procgroup import terminate_group
@@ -104,6 +105,16 @@ def _copy_masked(pipe: int, masker: Masker) -> None:
     write(masker.flush())
 
 
+def _line_masker(values: list[bytes]) -> Callable[[bytes], bytes]:
+    """Masks the secret values in one whole line (a rank's line, see :mod:`ranklines`)."""
+    masker = Masker(values)
+
+    def mask(line: bytes) -> bytes:
+        return masker.feed(line) + masker.flush()
+
+    return mask
+
+
 def _stop_group() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # The guard is a member of the group it stops, so it cannot see the others leave: they get
@@ -123,11 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     # so that its exit code is reported.
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
-    rank_lines = RankLines.for_node(os.environ, sys.stdout.fileno())
+    secrets = secret_values(os.environ)
+    rank_lines = RankLines.for_node(os.environ, sys.stdout.fileno(), _line_masker(secrets) if secrets else None)
     if rank_lines is not None:  # torchrun's ranks write into files; their lines reach the log whole
         os.environ.update(rank_lines.child_env())
         rank_lines.start()
-    secrets = secret_values(os.environ)
     copier = None
     if secrets:  # the output goes through the guard, which masks the values
         read_end, write_end = os.pipe()
