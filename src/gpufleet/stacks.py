@@ -62,7 +62,7 @@ def _py_spy(pid: int) -> str | None:
     if not os.path.exists(exe):
         return None
     try:
-        out = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=20)
+        out = subprocess.run([exe, "dump", "--full-filenames", "--pid", str(pid)], capture_output=True, text=True, timeout=20)
     except subprocess.TimeoutExpired:
         return "(py-spy took longer than 20 s)"
     return out.stdout if out.returncode == 0 else f"(py-spy could not read it: {out.stderr.strip()[:300]})"

@@ -25,6 +25,21 @@ def test_the_users_frame_is_the_newest_one_outside_libraries():
     assert user_frame(STACK) == "/home/me/train.py:42 in step"
 
 
+PY_SPY = """Process 4242: python train.py
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 4242 (idle): "MainThread"
+    step (/home/me/train.py:42)
+    <module> (/home/me/train.py:60)
+Thread 4250 (idle): "gpufleet-progress"
+    loop (/x/site-packages/gpufleet/launch/progress.py:150)
+"""
+
+
+def test_the_users_frame_is_found_in_a_py_spy_dump_too():
+    assert user_frame(PY_SPY) == "/home/me/train.py:42 in step"
+
+
 def test_a_rank_behind_is_missing_from_the_collective_the_others_wait_in():
     progress = {0: _collectives(5, "all_reduce", [[4]]), 1: {"seq": 4}, 2: _collectives(5, "all_reduce", [[4]])}
     found = diagnose(progress, {0: STACK}, 3, 61.0)

@@ -329,7 +329,11 @@ class Controller:
         idle = self._clock() - self._progress_since
         stacks = group.stacks()
         status = group.poll(0.0)
-        found = diagnose(status.progress, stacks, status.num_ranks, idle, frozenset(status.results))
+        if group.workers_are_ranks:
+            num_ranks, finished = status.num_ranks, frozenset(status.results)
+        else:  # a workload's nodes: the ranks are the ones that reported progress
+            num_ranks, finished = max([group.spec.world_size, *(r + 1 for r in status.progress)]), frozenset()
+        found = diagnose(status.progress, stacks, num_ranks, idle, finished)
         report = group.run_dir.path / "hang-report.txt"
         try:
             report.write_text(found.report)

@@ -74,6 +74,8 @@ class WorkerGroup(abc.ABC):
     run_dir: RunDir
     #: The ranks run as soon as :meth:`start` returns (False: they wait for room on a cluster).
     starts_at_once: bool = True
+    #: Each of the group's workers is one rank (False: a worker is a node whose command starts ranks).
+    workers_are_ranks: bool = True
 
     def __init__(self, spec: LaunchSpec, run_dir: RunDir) -> None:
         self.spec = spec

@@ -14,8 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
-_NOT_USER = re.compile(r"(/site-packages/|/dist-packages/|/lib/python3\.\d+/|/gpufleet/(launch|faults)|/torch/)")
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')  # faulthandler
+_SPY_FRAME = re.compile(r"^\s+(?P<func>\S+) \((?P<file>[^()]+):(?P<line>\d+)\)\s*$")  # py-spy dump
+_NOT_USER = re.compile(r"(/site-packages/|/dist-packages/|/lib/python3\.\d+/|(^|/)gpufleet/(launch|faults)|(^|/)torch/)")
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,11 @@ class Diagnosis:
 
 def user_frame(stack: str) -> str:
     """Where the rank's own code is in a faulthandler dump: ``file:line in func: source``, or ''."""
-    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack.strip())
-    # the thread running the function: the one inside the worker's run_call
-    main = next((b for b in blocks if " in run_call" in b), blocks[-1] if blocks else "")
-    frames = [m for m in (_FRAME.match(line) for line in main.splitlines()) if m]
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) )", stack.strip())
+    # the thread running the function: inside the worker's run_call, or py-spy's MainThread
+    main = next((b for b in blocks if " in run_call" in b or "run_call (" in b or '"MainThread"' in b),
+                blocks[-1] if blocks else "")  # fmt: skip
+    frames = [m for m in (_FRAME.match(line) or _SPY_FRAME.match(line) for line in main.splitlines()) if m]
     chosen = next((m for m in frames if not _NOT_USER.search(m["file"])), frames[0] if frames else None)
     if chosen is None:
         return ""

@@ -8,13 +8,14 @@ exit code and a message such as ``node 1 exited with code 3; see `gpufleet logs 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import EXIT, SIGNAL, WorkerGroupError
+from ..errors import EXIT, SIGNAL, DistributedHangError, WorkerGroupError
 from ..launch.controller import ControllerCallback
 from ..launch.group import GroupStartCanceled, WorkerGroup
 from ..states import CANCELED, FAILED, RUNNING, SUCCESS, TIMEDOUT, RunState
@@ -82,6 +83,10 @@ def attempt_end(
         return AttemptEnd(SUCCESS, 0)
     if state == CANCELED:
         return AttemptEnd(CANCELED, None, cancel_reason)
+    if isinstance(error, DistributedHangError):  # the watchdog's diagnosis: the lines above its root cause
+        lines = str(error).splitlines()
+        head = [x for x in itertools.takewhile(lambda x: not x.startswith("root cause:"), lines)]
+        return AttemptEnd(TIMEDOUT, None, "\n".join(head or lines[:1]))
     if state == TIMEDOUT:
         return AttemptEnd(
             TIMEDOUT, None, f"the attempt ran longer than timeout_minutes={timeout_minutes or 0:g} and was stopped"

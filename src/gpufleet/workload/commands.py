@@ -55,6 +55,10 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     p = subparsers.add_parser("run", help="submit a workload; prints its run id at once")
     p.add_argument("-f", "--file", required=True, help="workload YAML file")
     _overrides(p)
+    p.add_argument(
+        "--inject-fault", action="append", default=[], metavar="SPEC",
+        help="inject a fault to rehearse a failure, e.g. kill:rank=1:step=30 (docs/hangs.md); repeatable",
+    )
     p.add_argument("--watch", action="store_true", help="stream logs and status; exit with the run's outcome")
     p.add_argument("--dry-run", action="store_true", help="validate and resolve nodes/world size; start nothing")
     p.add_argument("--idempotency-key", default=None, help="submitting the same key again returns the existing run")
@@ -169,6 +173,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .submit import plan, submit_run
     from .view import mlflow_links
 
+    if args.inject_fault:  # the faults field, as an override: checked with the rest of the file
+        args.override = [*args.override, "faults=" + json.dumps(args.inject_fault)]
     try:
         if args.dry_run:
             result = plan(args.file, args.override)

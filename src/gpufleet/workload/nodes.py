@@ -254,6 +254,8 @@ class WorkloadNodeGroup(WorkerGroup):
         start_canceled: why starting gave up, when the run was canceled during the rendezvous.
     """
 
+    workers_are_ranks = False  # a worker is a node; its command (torchrun) starts the ranks
+
     def __init__(
         self,
         spec: LaunchSpec,
@@ -277,6 +279,9 @@ class WorkloadNodeGroup(WorkerGroup):
         self.start_canceled: str | None = None
         self._results: dict[int, dict[str, Any]] = {}
         self._failures: dict[int, RankFailure] = {}
+        self._progress: dict[int, dict[str, Any]] = {}
+        self._progress_read = 0.0
+        self._started_at = time.time()
         self._closed = False
 
     @property
@@ -298,6 +303,7 @@ class WorkloadNodeGroup(WorkerGroup):
         return [n.describe() for n in self.nodes]
 
     def start(self) -> None:
+        self._started_at = time.time()
         self.executor.cancel_event = self.abort
         try:
             addr, port = self.executor.rendezvous(self.spec.num_nodes, code_dir=self.cwd)
@@ -332,7 +338,32 @@ class WorkloadNodeGroup(WorkerGroup):
         return news
 
     def _status(self) -> GroupStatus:
-        return GroupStatus(self.num_ranks, dict(self._results), dict(self._failures))
+        return GroupStatus(self.num_ranks, dict(self._results), dict(self._failures), progress=self._read_progress())
+
+    def _read_progress(self) -> dict[int, dict[str, Any]]:
+        """Progress of the ranks that use gpufleet (``progress-RANK.json`` in the run folder), this attempt's only."""
+        from ..launch.progress import PROGRESS_INTERVAL_ENV, read_progress
+
+        folder = self.spec.env.get("GPUFLEET_RUN_DIR")
+        now = time.monotonic()
+        if not folder or PROGRESS_INTERVAL_ENV not in self.spec.env or now - self._progress_read < 1.0:
+            return dict(self._progress)
+        self._progress_read = now
+        for rank in range(self.spec.world_size):
+            record = read_progress(Path(folder), rank)
+            if record is not None and record.get("time", 0) >= self._started_at:  # not a file of an earlier attempt
+                self._progress[rank] = record
+        return dict(self._progress)
+
+    def stacks(self, timeout_s: float = 3.0) -> dict[int, str]:
+        """Every rank's stack on this machine (the processes under the node commands), read with py-spy."""
+        from ..stacks import collect
+
+        try:
+            _, found = collect(self.run_id)
+        except LookupError:
+            return {}
+        return {p["rank"]: p["stack"] for p in found if p["rank"] is not None}
 
     def poll(self, wait_s: float) -> GroupStatus:
         if not self._collect() and wait_s > 0:

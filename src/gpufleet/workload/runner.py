@@ -238,6 +238,7 @@ class Supervisor:
             callbacks=callbacks,
             first_attempt=1,
             timeout_subject="the attempt",
+            hang_timeout_s=self.config.hang_timeout_minutes * 60 if self.config.hang_timeout_minutes else None,
             poll_s=_POLL_S,
         )
         forward = threading.Thread(target=self._forward_cancel, args=(controller,), daemon=True)
@@ -276,6 +277,14 @@ class Supervisor:
         env.update(secret_env(self.secrets))  # the values, and their names for the guard that masks them
         return env
 
+    def watch_env(self, attempt: int) -> dict[str, str]:
+        """What ranks that use gpufleet need for the hang watchdog, and the faults of this attempt."""
+        from ..faults import faults_env, parse_faults
+        from ..launch.progress import watchdog_env
+
+        hang = self.config.hang_timeout_minutes
+        return {**watchdog_env(hang * 60 if hang else None), **faults_env(parse_faults(self.config.faults), attempt)}
+
     def make_group(self, executor: NodeExecutor, attempt: int, bin_dir: str) -> WorkloadNodeGroup:
         """The (not yet started) node group of attempt ``attempt``."""
         log_dir = self.run_dir / "attempts" / str(attempt)
@@ -288,7 +297,7 @@ class Supervisor:
             num_nodes=c.num_nodes,
             use_gpus=c.gpu_type is not None,
             attempt=attempt,
-            env=self.workload_env(bin_dir),
+            env={**self.workload_env(bin_dir), **self.watch_env(attempt)},
         )
         inherited = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
         return WorkloadNodeGroup(

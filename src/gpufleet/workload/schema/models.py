@@ -308,6 +308,37 @@ class WorkloadConfig(_Strict):
         description="Time limit of each attempt in minutes (TIMEDOUT when exceeded); absent: none.",
         examples=[120],
     )
+    hang_timeout_minutes: float | None = Field(
+        default=10,
+        gt=0,
+        le=525600,
+        description=(
+            "The hang watchdog: stop an attempt with a diagnosis (the rank missing from the collective "
+            "the others wait in, each rank's line) once no rank made progress for this long. Ranks report "
+            "progress when they use gpufleet (runtime.setup(), its data loader, prepare()); null: off."
+        ),
+        examples=[10],
+    )
+    faults: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Faults injected on purpose to rehearse failures, e.g. 'kill:rank=1:step=30' (see docs/hangs.md); "
+            "also `gpufleet run --inject-fault`."
+        ),
+        examples=[["kill:rank=1:step=30"]],
+    )
+
+    @field_validator("faults")
+    @classmethod
+    def _check_faults(cls, v: list[str]) -> list[str]:
+        from ...errors import LaunchConfigError
+        from ...faults import parse_faults
+
+        try:
+            parse_faults(v)
+        except LaunchConfigError as e:
+            raise ValueError(str(e)) from None
+        return v
 
     @field_validator("experiment_name")
     @classmethod
