@@ -94,6 +94,20 @@ def foreign_processes(gpus: Sequence[GPUInfo]) -> dict[str, tuple[ForeignProcess
         pids_of = _nvml_processes(gpus)
     if not any(pids_of.values()):
         return {}
-    own = _own_pids()
+    own = _own_pids() | _gpufleet_ranks({p for pids in pids_of.values() for p in pids})
     return {uuid: tuple(_describe_pid(p) for p in pids if p not in own) for uuid, pids in pids_of.items()
             if any(p not in own for p in pids)}  # fmt: skip
+
+
+def _gpufleet_ranks(pids: set[int]) -> set[int]:
+    """Those of ``pids`` that are ranks of a gpufleet run (their GPU is leased by that run's holder, who is named)."""
+    found = set()
+    try:
+        import psutil
+    except ImportError:
+        return found
+    for pid in pids:
+        with contextlib.suppress(Exception):  # gone, or another user's: then it counts as outside gpufleet
+            if psutil.Process(pid).environ().get("GPUFLEET_RUN_ID"):
+                found.add(pid)
+    return found
