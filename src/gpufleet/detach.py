@@ -1,7 +1,7 @@
 """``submit(..., detach=True)``: a call that runs on under its own supervisor process, like a workload.
 
 The caller pickles the function, its settings and its arguments into a private job folder
-(``$GPUFLEET_HOME/detached/<job-id>/``, 0700) and starts ``python -m gpufleet.detach JOB_DIR``
+(``$GPUFLEET_HOME/detached/<job-id>/``, 0700) and starts ``python -m gpufleet.detached_run JOB_DIR``
 in a new session: the supervisor runs the call through the same controller as ``.distributed()``
 (so it is recorded in the run store, leases its GPUs, retries, times out and is canceled with
 ``gpufleet cancel`` like any call), streams its ranks' output into ``supervisor.log`` and writes
@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 from .launch.controller import ControllerCallback
 
 if TYPE_CHECKING:
-    from .api import DistributedFunction
     from .launch.group import WorkerGroup
 
 JOB_FILE = "job.pkl"
@@ -46,7 +45,7 @@ def _job_root() -> Path:
     return private_dir(gpufleet_home() / "detached", "the detached calls folder")
 
 
-def submit_detached(function: DistributedFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DetachedRunHandle:
+def submit_detached(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DetachedRunHandle:
     """Hand the call to a detached supervisor; returns once its first attempt has a run id."""
     import cloudpickle
 
@@ -70,7 +69,7 @@ def submit_detached(function: DistributedFunction, args: tuple[Any, ...], kwargs
         f.write(job)
     with open(job_dir / LOG_FILE, "ab", opener=private_file_opener) as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gpufleet.detach", str(job_dir)],
+            [sys.executable, "-m", "gpufleet.detached_run", str(job_dir)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, close_fds=True, cwd=os.getcwd(),
         )  # fmt: skip
@@ -224,48 +223,3 @@ def _write_result(job_dir: Path, outcome: dict[str, Any]) -> None:
                              "error_text": f"{type(error).__name__}: {error}" if error is not None else
                              "the run's result could not be pickled"})  # fmt: skip
     write_atomic(job_dir / RESULT_FILE, data)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m gpufleet.detach JOB_DIR``: run the call of a job folder to its end."""
-    import cloudpickle
-
-    from .api import DistributedFunction
-    from .errors import RunCanceledError
-    from .registry import adopt_origin
-    from .states import CANCELED, FAILED, SUCCESS
-
-    os.umask(0o077)
-    job_dir = Path((argv or sys.argv[1:])[0])
-    job = cloudpickle.loads((job_dir / JOB_FILE).read_bytes())
-    sys.path.extend(p for p in job["sys_path"] if p not in sys.path)
-    with contextlib.suppress(OSError):
-        os.chdir(job["cwd"])
-    adopt_origin(job["origin"])
-    function = DistributedFunction(job["func"], job["options"])
-    controller = None
-    try:
-        controller = function._controller(job["args"], job["kwargs"])
-        controller.add_callback(_JobFiles(job_dir))
-
-        def on_term(signum: int, _frame: Any) -> None:
-            assert controller is not None
-            controller.cancel(f"canceled ({signal.Signals(signum).name} to the detached supervisor)")
-
-        signal.signal(signal.SIGTERM, on_term)
-        signal.signal(signal.SIGHUP, on_term)
-        controller.start()
-        values = controller.run()
-        outcome: dict[str, Any] = {"state": SUCCESS, "values": values, "error": None}
-    except BaseException as e:  # noqa: BLE001 - every end is written for the handle
-        state = CANCELED if isinstance(e, (RunCanceledError, KeyboardInterrupt)) else FAILED
-        if controller is not None and controller.finished.is_set():
-            state = controller.state
-        outcome = {"state": state, "values": None, "error": e}
-    _write_result(job_dir, outcome)
-    print(f"gpufleet: detached call finished: {outcome['state']}", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -36,7 +36,6 @@ from .launch.controller import ControllerCallback
 from .states import CANCELED, PENDING, RUNNING, RunState
 
 if TYPE_CHECKING:
-    from .api import DistributedFunction
     from .launch.controller import Controller
     from .launch.group import WorkerGroup
     from .workload.store import RunStore
@@ -168,7 +167,7 @@ def _message(error: BaseException | None) -> str | None:
 class CallRecorder(ControllerCallback):
     """Records each attempt of one call in the run store, and cancels it on a stored cancel request."""
 
-    def __init__(self, function: DistributedFunction, launcher: str) -> None:
+    def __init__(self, function: Any, launcher: str) -> None:
         opts = function.options
         self._name = opts.name or getattr(function.func, "__name__", "run")
         self._config = {

@@ -31,12 +31,9 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import LaunchConfigError
-
-if TYPE_CHECKING:
-    from ..api import DistributedFunction
 
 __all__ = ["RESULTS_DIR", "export_call", "load_results"]
 
@@ -185,7 +182,7 @@ def _importable(func: Any) -> tuple[str, str, Path | None] | None:
     return module_name, qualname, source
 
 
-def _accelerators(function: DistributedFunction) -> tuple[str, int]:
+def _accelerators(function: Any) -> tuple[str, int]:
     """``(accelerator_type, num_accelerators)`` of the decorator's placement."""
     from ..launch.gpus import CPU, list_gpus, resolve_local
 
@@ -225,7 +222,7 @@ def _secrets(secrets: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
     return out
 
 
-def export_call(function: DistributedFunction, path: str | os.PathLike[str], args: tuple[Any, ...],
+def export_call(function: Any, path: str | os.PathLike[str], args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Path:  # fmt: skip
     """Write the workload of ``function(*args, **kwargs)`` to ``path`` (see the module); returns its path."""
     import cloudpickle

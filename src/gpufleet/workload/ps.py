@@ -76,7 +76,7 @@ def _placement(run: RunRecord) -> str:
 
 def call_details(run: RunRecord, out: IO[str]) -> None:
     """``gpufleet get`` of a call's attempt."""
-    from .view import fmt_duration, fmt_time
+    from .formats import fmt_duration, fmt_time
 
     c, o = run.config, run.origin
     mlflow = run.mlflow_run_ids()
@@ -131,9 +131,9 @@ def cmd_ps(args: argparse.Namespace) -> int:
     from ..errors import GpufleetError
     from ..launch.leases import gpu_uses
     from ..states import ACTIVE_STATES
+    from .formats import fmt_duration, fmt_time
     from .liveness import list_runs
     from .store import RunStore
-    from .view import fmt_duration, fmt_time
 
     try:
         uses = gpu_uses()

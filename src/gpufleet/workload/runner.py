@@ -45,6 +45,7 @@ from ..results import RunDir
 from ..secrets import secret_env
 from ..states import CANCELED, FAILED, TIMEDOUT, RunState
 from .attempts import AttemptRecorder, WorkloadTracking, workload_document
+from .executors import create_executor
 from .liveness import process_start_time
 from .nodes import (  # noqa: F401 - re-exported: the names this module had before nodes.py
     GRACE_PERIOD_S,
@@ -56,8 +57,6 @@ from .nodes import (  # noqa: F401 - re-exported: the names this module had befo
     NodeProcess,
     NodeSpec,
     WorkloadNodeGroup,
-    check_executor_available,
-    create_executor,
     needs_cluster,
 )
 from .records import touch_alive, write_run_outcome

@@ -222,7 +222,7 @@ def submit_run(
     from ..codeversion import code_version
     from ..errors import GPUUnavailableError
     from .attempts import CODE_VERSION_KEY, MLFLOW_KEY
-    from .nodes import check_executor_available
+    from .executors import check_executor_available
     from .runner import start_supervisor
 
     p = Path(path)

@@ -6,7 +6,6 @@ output is a pipe or a file they print plain lines that scripts can parse.
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
 import re
 import sys
@@ -15,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
+from .formats import fmt_duration, fmt_time  # noqa: F401 - also used by the other views
 from .liveness import get_run
 from .store import TERMINAL_STATES, RunRecord, RunStore
 
@@ -34,24 +34,6 @@ def is_terminal(stream: IO[str]) -> bool:
         return stream.isatty() and os.environ.get("TERM") != "dumb"
     except (AttributeError, ValueError):
         return False
-
-
-def fmt_time(ts: float | None) -> str:
-    """A timestamp as local ``YYYY-mm-dd HH:MM:SS`` (``-`` when absent)."""
-    if ts is None:
-        return "-"
-    return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def fmt_duration(seconds: float | None) -> str:
-    """Seconds as ``1h02m03s`` / ``2m05s`` / ``4.2s``."""
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    m, s = divmod(int(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
 def status_line(run: RunRecord) -> str:
