@@ -1,4 +1,9 @@
-"""The ``@distributed`` decorator and the :class:`DistributedFunction` it returns."""
+"""The ``@distributed`` decorator and the :class:`DistributedFunction` it returns.
+
+One concern past 400 lines: the public surface of a call (checking its arguments and
+settings, building its launch spec and worker group, ``distributed``/``submit``/``with_overrides``/
+``to_workload``/``shutdown`` and the :class:`RunHandle`); what each step does lives elsewhere.
+"""
 
 from __future__ import annotations
 

@@ -18,6 +18,9 @@ Example::
     for batch in loader:
         ...
     print(loader.wait_stats())    # {'steps': ..., 'wait_fraction': ...}
+
+One concern past 400 lines: the data path of a rank (listing, caching and sharding the
+files, the resumable position, and the timed loader over them).
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ engine is saved with its own ``save_checkpoint`` into the same ``step-N`` layout
 This module holds the manager's flow (collectives, DCP save and load, completion, resume);
 the DeepSpeed engine's format, the asynchronous-save machinery and the per-rank file live in
 ``deepspeed_engine``, ``async_save`` and ``rank_state``.
+
+One concern past 400 lines: the save and resume protocol across ranks (collective decisions,
+complete markers, fallback to an older checkpoint); staging, DeepSpeed and integrity checks
+live in their own modules.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ the settle window after a first failure (so identical errors on several ranks ar
 a secondary error does not hide the root cause), cancel and Ctrl-C, failure classification,
 retries within the time left, and the tracking hooks (:class:`ControllerCallback`). A worker
 group only starts, polls and stops (:mod:`gpufleet.launch.group`).
+
+One concern past 400 lines: the decisions over a group's life (deadline, settle, cancel,
+Ctrl-C, hang watchdog, retries, hooks), kept in one loop so that their order is seen at once.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ Guards, so that a wrong ``root_path`` fails at once with a message instead of co
 * at most :data:`DEFAULT_MAX_FILES` files and :data:`DEFAULT_MAX_BYTES` bytes, unless
   ``GPUFLEET_SNAPSHOT_MAX_FILES`` / ``GPUFLEET_SNAPSHOT_MAX_BYTES`` say otherwise; listing
   stops as soon as a limit is passed.
+
+One concern past 400 lines: choosing, guarding and copying a code folder's files.
 """
 
 from __future__ import annotations

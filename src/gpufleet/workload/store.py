@@ -15,6 +15,9 @@ Reads only read (opening the store writes only when it has no tables yet, or an 
 version to migrate: :mod:`gpufleet.workload.migrations`; a newer one is refused). A run whose
 supervisor died is found, marked FAILED and stopped by :mod:`gpufleet.workload.liveness`,
 which the CLI commands read runs through.
+
+One concern past 400 lines: the SQL of the run store (its tables, transactions and retries
+under contention); records, liveness and migrations live in their own modules.
 """
 
 from __future__ import annotations
