@@ -55,6 +55,13 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gpufleet`` console script; returns the exit code."""
+    if argv is None:  # this process's own command line: the console script, ``python -m gpufleet.cli``
+        code = main(sys.argv[1:])
+        if "mlflow" in sys.modules:  # with MLflow loaded the interpreter's teardown takes most of a second
+            from .launch.worker import fast_exit
+
+            fast_exit(code)  # atexit handlers, threads and stdio first, then no module teardown
+        return code
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):

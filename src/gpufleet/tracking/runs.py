@@ -3,6 +3,9 @@
 MLflow is imported only inside :func:`start_tracked_run` and the methods of a run, so this
 module is safe to import from ``gpufleet``'s light paths. When MLflow is not installed a
 tracked run degrades to a disabled one with a single warning, and the call still runs.
+
+One concern past 400 lines: one MLflow run's life (opening it in the right store and
+experiment, parameters with secrets masked, artifacts, status, system metrics).
 """
 
 from __future__ import annotations
@@ -118,6 +121,18 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str
     return flat
 
 
+def tracking_env(run_id: str, tracking_uri: str, experiment_id: str | None, experiment_name: str | None) -> dict[str, str]:
+    """What a rank or node needs to log into run ``run_id`` (``MLFLOW_RUN_ID``, ...); no MLflow import."""
+    env = {
+        "MLFLOW_RUN_ID": run_id,
+        "MLFLOW_TRACKING_URI": tracking_uri,
+        "MLFLOW_EXPERIMENT_ID": str(experiment_id),
+    }
+    if experiment_name:
+        env["MLFLOW_EXPERIMENT_NAME"] = experiment_name
+    return env
+
+
 def _import_mlflow() -> Any | None:
     """``mlflow``, or None after one warning that names the extra to install."""
     global _warned_missing
@@ -186,14 +201,7 @@ class TrackedRun:
         """
         if self.run_id is None:
             return {}
-        env = {
-            "MLFLOW_RUN_ID": self.run_id,
-            "MLFLOW_TRACKING_URI": str(self.tracking_uri),
-            "MLFLOW_EXPERIMENT_ID": str(self.experiment_id),
-        }
-        if self.experiment_name:
-            env["MLFLOW_EXPERIMENT_NAME"] = self.experiment_name
-        return env
+        return tracking_env(self.run_id, str(self.tracking_uri), self.experiment_id, self.experiment_name)
 
     def _safely(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
         """Run an MLflow call; a tracking failure is logged, never raised into training."""
@@ -452,7 +460,10 @@ def _open_run(
         from .store import ensure_default_store
 
         ensure_default_store(Path(uri.removeprefix("sqlite:///")), default_artifact_root())
-    client = MlflowClient(tracking_uri=uri)
+    from .store import quiet_store_creation
+
+    with quiet_store_creation():  # a new SQLite store of the user's: no table-creation lines on stderr
+        client = MlflowClient(tracking_uri=uri)
 
     parent_id: str | None = None
     parent_experiment_id: str | None = None

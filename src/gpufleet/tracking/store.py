@@ -36,6 +36,15 @@ def _quiet(*names: str) -> Iterator[None]:
             lg.setLevel(level)
 
 
+#: The loggers of MLflow's and alembic's schema creation and migration messages.
+STORE_CREATION_LOGGERS = ("mlflow.store.db.utils", "alembic", "alembic.runtime.migration")
+
+
+def quiet_store_creation() -> contextlib.AbstractContextManager[None]:
+    """Hold back the INFO lines MLflow prints while it creates or upgrades a database store."""
+    return _quiet(*STORE_CREATION_LOGGERS)
+
+
 def _is_whole(path: Path) -> bool:
     """Whether the SQLite file at ``path`` has every table MLflow's models define."""
     import sqlalchemy
@@ -62,7 +71,7 @@ def _build(path: Path, artifact_root: Path) -> None:
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
     uri = f"sqlite:///{path}"
-    with _quiet("mlflow.store.db.utils", "alembic", "alembic.runtime.migration"):
+    with _quiet(*STORE_CREATION_LOGGERS):
         store = SqlAlchemyStore(uri, str(artifact_root))
     store.engine.dispose()
     _forget_engine(uri)  # the file is renamed: no engine may keep it

@@ -9,6 +9,7 @@ exit code and a message such as ``node 1 exited with code 3; see `gpufleet logs 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -166,20 +167,20 @@ class WorkloadTracking(ControllerCallback):
         self.cancel_reason = cancel_reason
         self.handed_over = handed_over  # the first attempt's MLflow run, opened by `gpufleet run`
         self._tracked: dict[int, Any] = {}
+        self._attaching: dict[int, threading.Thread] = {}
 
     def before_start(self, group: WorkerGroup, attempt: int) -> None:
         try:
-            from ..tracking.runs import attach_tracked_run
+            from ..tracking import runs  # noqa: F401 - tracking can be imported
         except ImportError as e:
             self.log.write(f"gpufleet: tracking is not available ({e}); this attempt is not tracked\n")
             return
         opened = self.handed_over() if attempt == 1 else None
         if opened:
-            tracked = attach_tracked_run(opened["run_id"], opened["tracking_uri"], opened.get("experiment_id"),
-                                         opened.get("experiment_name"), system_metrics=self.system_metrics)  # fmt: skip
-        else:
-            tracked = open_attempt_run(self.config, self.run.id, attempt, self.run.config.get(CODE_VERSION_KEY),
-                                       self.system_metrics)  # fmt: skip
+            self._attach_while_nodes_start(group, attempt, opened)
+            return
+        tracked = open_attempt_run(self.config, self.run.id, attempt, self.run.config.get(CODE_VERSION_KEY),
+                                   self.system_metrics)  # fmt: skip
         self._tracked[attempt] = tracked
         mlflow_run_id = getattr(tracked, "run_id", None)
         if not mlflow_run_id:
@@ -192,7 +193,35 @@ class WorkloadTracking(ControllerCallback):
         except Exception as e:  # tracking trouble never stops the run
             self.log.write(f"gpufleet: could not log the workload config to MLflow: {e}\n")
 
+    def _attach_while_nodes_start(self, group: WorkerGroup, attempt: int, opened: dict[str, Any]) -> None:
+        """The run `gpufleet run` opened: its id reaches the nodes at once, and MLflow is imported,
+        the run attached and the workload logged in a thread while the nodes start (MLflow's import
+        and first store access take seconds, and nothing of the nodes' start waits on them).
+        """
+        from ..tracking.runs import attach_tracked_run, tracking_env
+
+        group.mlflow_run_id = opened["run_id"]
+        self.store.update_attempt(self.run.id, attempt, mlflow_run_id=opened["run_id"])
+        group.add_env(tracking_env(opened["run_id"], opened["tracking_uri"], opened.get("experiment_id"),
+                                   opened.get("experiment_name")))  # fmt: skip
+
+        def attach() -> None:
+            try:
+                tracked = attach_tracked_run(opened["run_id"], opened["tracking_uri"], opened.get("experiment_id"),
+                                             opened.get("experiment_name"), system_metrics=self.system_metrics)  # fmt: skip
+                self._tracked[attempt] = tracked
+                tracked.log_config(workload_document(self.run.config), artifact_file="workload.yaml")
+            except Exception as e:  # tracking trouble never stops the run
+                self.log.write(f"gpufleet: could not log the workload config to MLflow: {e}\n")
+
+        thread = threading.Thread(target=attach, name="gpufleet-mlflow-attach", daemon=True)
+        self._attaching[attempt] = thread
+        thread.start()
+
     def on_end(self, group: WorkerGroup, attempt: int, state: RunState, error: BaseException | None) -> None:
+        attaching = self._attaching.pop(attempt, None)
+        if attaching is not None:
+            attaching.join()  # the run is attached (or tracking is off) before it is ended
         tracked = self._tracked.pop(attempt, None)
         if tracked is None:
             return
