@@ -17,6 +17,7 @@ from pathlib import Path
 from gpufleet import distributed, runtime
 from gpufleet.launch.gpus import list_gpus
 from gpufleet.tracking import default_tracking_uri, log_metrics
+from gpufleet.tracking.links import server_address, ui_command
 
 
 def train(epochs: int = 20, lr: float = 3e-3, num_samples: int = 16384, batch_size: int = 256,
@@ -121,7 +122,7 @@ def print_where(handle, num_ranks: int) -> None:
         return
     uri = os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
     print(f"MLflow run: {handle.mlflow_run_id} (rank 0's loss as metric 'loss'); to look at it:")
-    print(f"  mlflow ui --backend-store-uri '{uri}'")
+    print(f"  {ui_command(uri) or server_address(uri) or uri}")  # a local store's `mlflow ui`, or the server
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def test_every_bash_command_of_the_page_runs_in_order(tmp_path: Path) -> None:
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
     home = tmp_path / "home"
-    assert "run folder: " + str(home / "runs") in out and f"mlflow ui --backend-store-uri 'sqlite:///{home}/mlflow.db'" in out
+    assert "run folder: " + str(home / "runs") in out and f"mlflow ui --backend-store-uri sqlite:///{home}/mlflow.db\n" in out
     assert "[node 0] [rank 1] rank 1 of 2 done" in out  # run --watch, then logs --follow
     assert "SUCCESS" in out and "CANCELED" in out
     assert "mlflow ui answered" in out
