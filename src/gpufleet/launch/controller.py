@@ -288,6 +288,8 @@ class Controller:
                 status = group.poll(self._poll_s)
                 if status.started and self.state == PENDING:
                     self.state = RUNNING
+                if self._cancel is not None:  # asked during the poll (a lost node, say): the cancel wins
+                    return self._canceled(group)
                 if status.failures:
                     return self._failed(group, status)
                 if status.succeeded:

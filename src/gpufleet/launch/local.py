@@ -114,8 +114,10 @@ class LocalWorkerGroup(WorkerGroup):
         if self.placement.master_addr == "127.0.0.1":
             # The rendezvous store listens on loopback only (rank 0 hosts it for the others, as
             # torchrun's agent does), and so do gloo's connections between the ranks.
-            env.update({LOOPBACK_STORE_ENV: "1", "TORCHELASTIC_USE_AGENT_STORE": "True"})
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            env.setdefault(LOOPBACK_STORE_ENV, "1")  # "0" from a caller that puts another server on MASTER_PORT
+            if env[LOOPBACK_STORE_ENV] == "1":
+                env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+                env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         return env
 
     def start(self) -> None:

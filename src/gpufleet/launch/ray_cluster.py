@@ -222,9 +222,12 @@ def ray_launch(
                     UserWarning,
                     stacklevel=3,
                 )
-            env = {**dict(options.pop("env", {}) or {}), "RAY_ADDRESS": str(address), "GPUFLEET_RAY_REMOTE": "1"}
+            env = {**dict(options.pop("env", {}) or {}), "RAY_ADDRESS": str(address), "GPUFLEET_RAY_REMOTE": "1",
+                   "GPUFLEET_LOOPBACK_STORE": "0"}  # fmt: skip
             return distributed(entry, gpus=1, gpu_type="cpu", remote=False, timeout=timeout, env=env, **options)
-        return distributed(entry, gpus=gpus, gpu_type=gpu_type, remote=False, timeout=timeout, **options)
+        # the Ray head's GCS listens on MASTER_PORT: no rendezvous store of gpufleet's there
+        env = {**dict(options.pop("env", {}) or {}), "GPUFLEET_LOOPBACK_STORE": "0"}
+        return distributed(entry, gpus=gpus, gpu_type=gpu_type, remote=False, timeout=timeout, env=env, **options)
 
     if func is not None:
         return wrap(func)
