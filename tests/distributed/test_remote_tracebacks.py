@@ -101,11 +101,11 @@ except ZeroDivisionError as e:
 ]
 
 
-def test_a_notebook_cell_rank_traceback_has_the_cell_and_its_source_line(tmp_path: Path) -> None:
+def test_a_notebook_cell_rank_traceback_has_the_cell_and_its_source_line(tmp_path: Path, monkeypatch) -> None:
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell(src.strip()) for src in NOTEBOOK_CELLS]
-    os.environ.setdefault("GPUFLEET_TRACKING", "0")
+    monkeypatch.setenv("GPUFLEET_TRACKING", os.environ.get("GPUFLEET_TRACKING", "0"))  # the kernel's, not later tests'
     client = NotebookClient(nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": str(REPO)}})
     client.execute()
     out = "".join(o.get("text", "") for o in nb.cells[2].outputs if o.get("output_type") == "stream")
