@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -70,23 +69,12 @@ def _py_spy(pid: int) -> str | None:
 
 def _faulthandler(proc: Any, env: dict[str, str]) -> str | None:
     """A rank gpufleet launched dumps its own stack into stacks-R.txt on SIGUSR2 (once its handler is in)."""
-    from .launch.progress import STACKS_SIGNAL
+    from .launch.progress import request_stacks
 
     folder, rank = env.get("GPUFLEET_RUN_DIR"), env.get("RANK")
     if not folder or rank is None or not Path(folder, f"progress-{rank}.json").exists():
         return None
-    path = Path(folder, f"stacks-{rank}.txt")
-    size = path.stat().st_size if path.exists() else 0
-    os.kill(proc.pid, STACKS_SIGNAL)
-    deadline = time.monotonic() + 3.0
-    while time.monotonic() < deadline:
-        if path.exists() and path.stat().st_size > size:
-            time.sleep(0.1)
-            with open(path, "rb") as f:
-                f.seek(size)
-                return f.read().decode("utf-8", "replace")
-        time.sleep(0.05)
-    return None
+    return request_stacks(proc.pid, Path(folder, f"stacks-{rank}.txt"))
 
 
 def collect(run_id: str) -> tuple[str, list[dict[str, Any]]]:

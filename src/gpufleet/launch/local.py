@@ -22,7 +22,7 @@ from .leases import GpuLease, GpuRequest
 from .logstream import LogConfig, RankLog
 from .ports import find_free_port
 from .proctree import popen_in_own_group, run_processes, stop_tree
-from .progress import PROGRESS_INTERVAL_ENV, STACKS_SIGNAL, read_progress
+from .progress import PROGRESS_INTERVAL_ENV, read_progress, request_stacks
 from .spec import PARENT_PID_ENV, LaunchSpec, Rendezvous, default_threads, local_slots
 from .worker import LOOPBACK_STORE_ENV
 
@@ -197,31 +197,14 @@ class LocalWorkerGroup(WorkerGroup):
 
     def stacks(self, timeout_s: float = 3.0) -> dict[int, str]:
         """Every live rank's threads, dumped by faulthandler into ``stacks-R.txt`` on SIGUSR2."""
-        files = {r: self._stacks_dir() / f"stacks-{r}.txt" for r in range(len(self._procs))}
-        sizes = {r: (f.stat().st_size if f.exists() else 0) for r, f in files.items()}
-        asked = []
+        got: dict[int, str] = {}
         for rank, proc in enumerate(self._procs):
             # only a rank whose stack handler is in place (its progress file exists): before
             # that, SIGUSR2 would end it
-            ready = (self.run_dir.path / f"progress-{rank}.json").exists()
-            if proc.poll() is None and ready:
-                try:
-                    os.kill(proc.pid, STACKS_SIGNAL)
-                    asked.append(rank)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + timeout_s
-        got: dict[int, str] = {}
-        while asked and time.monotonic() < deadline:
-            for rank in list(asked):
-                f = files[rank]
-                if f.exists() and f.stat().st_size > sizes[rank]:
-                    time.sleep(0.1)  # let faulthandler finish the dump
-                    with open(f, "rb") as fh:
-                        fh.seek(sizes[rank])
-                        got[rank] = fh.read().decode("utf-8", "replace")
-                    asked.remove(rank)
-            time.sleep(0.05)
+            if proc.poll() is None and (self.run_dir.path / f"progress-{rank}.json").exists():
+                text = request_stacks(proc.pid, self._stacks_dir() / f"stacks-{rank}.txt", timeout_s)
+                if text:
+                    got[rank] = text
         return got
 
     # -- stopping -------------------------------------------------------------------------

@@ -164,6 +164,28 @@ def _private(path: str, flags: int) -> int:
     return os.open(path, flags, 0o600)
 
 
+def request_stacks(pid: int, stacks_file: Path, timeout_s: float = 3.0) -> str | None:
+    """Have a rank (whose stack handler is in place) dump every thread's stack; the new text, or None.
+
+    The rank's faulthandler appends to ``stacks_file`` on SIGUSR2, even while it is blocked in a
+    collective; only what it wrote now is returned.
+    """
+    size = stacks_file.stat().st_size if stacks_file.exists() else 0
+    try:
+        os.kill(pid, STACKS_SIGNAL)
+    except ProcessLookupError:
+        return None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if stacks_file.exists() and stacks_file.stat().st_size > size:
+            time.sleep(0.1)  # let faulthandler finish the dump
+            with open(stacks_file, "rb") as f:
+                f.seek(size)
+                return f.read().decode("utf-8", "replace")
+        time.sleep(0.05)
+    return None
+
+
 def read_progress(folder: Path, rank: int) -> dict[str, Any] | None:
     """A rank's last progress record, or None."""
     try:

@@ -200,24 +200,12 @@ class RankProcess(ChildProcess):
         return read_progress(self.dir, self.rank)
 
     def stacks(self, timeout_s: float = 3.0) -> str | None:
-        import time
 
-        from .progress import STACKS_SIGNAL
+        from .progress import request_stacks
 
-        path = self.dir / f"stacks-{self.rank}.txt"
         if self._proc is None or self._proc.poll() is not None or not (self.dir / f"progress-{self.rank}.json").exists():
             return None
-        size = path.stat().st_size if path.exists() else 0
-        os.kill(self._proc.pid, STACKS_SIGNAL)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if path.exists() and path.stat().st_size > size:
-                time.sleep(0.1)
-                with open(path, "rb") as f:
-                    f.seek(size)
-                    return f.read().decode("utf-8", "replace")
-            time.sleep(0.05)
-        return None
+        return request_stacks(self._proc.pid, self.dir / f"stacks-{self.rank}.txt", timeout_s)
 
     def _outcome(self) -> dict[str, Any] | None:
         if self._outcome_sent:
