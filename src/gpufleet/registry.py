@@ -100,7 +100,7 @@ def notebook_path() -> str | None:
 
 def call_origin() -> dict[str, Any]:
     """Where calls of this process come from: ``kind`` (notebook / script / interactive), ``path``, host, user, pid."""
-    from .launch.gpu_requests import interactive
+    from .launch.kernel import interactive
     from .launch.leases import user_name
 
     with _lock:

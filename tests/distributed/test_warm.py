@@ -51,9 +51,13 @@ def test_second_and_third_calls_reuse_the_ranks():
     second, third = f.distributed(2), f.distributed(3)
     assert [r[1:] for r in first] == [(3.0, 1), (3.0, 1)] and [r[2] for r in third] == [3, 3]
     assert pids(first) == pids(second) == pids(third)
-    handle = f.submit(4)
-    assert pids(handle.result(timeout=60)) == pids(first)
-    assert handle.logs(0) is not None and os.path.basename(handle.run_dir) != ""  # each call is its own run
+    handles = [f.submit(4), None]
+    assert pids(handles[0].result(timeout=60)) == pids(first)
+    handles[1] = f.submit(5)
+    assert pids(handles[1].result(timeout=60)) == pids(first)
+    # each call is its own run: its own run id, folder and rank logs
+    assert handles[0].run_id != handles[1].run_id and handles[0].run_dir != handles[1].run_dir
+    assert all(os.path.exists(os.path.join(h.run_dir, "rank-0.log")) for h in handles)
 
 
 def test_calls_are_isolated_and_an_edited_function_runs_its_new_code():

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from ..errors import LaunchConfigError
+from .kernel import interactive
 from .leases import GpuRequest, Holder, acquire
 
 
@@ -73,17 +74,6 @@ def check_gpu_settings(gpus: Any, gpu_wait: Any, remote: Any = False) -> None:
             f"gpu_wait must be seconds >= 0 to wait for free GPUs (math.inf: no limit), or None (300 s in a "
             f"notebook, else up to the timeout); got {gpu_wait!r}"
         )
-
-
-def interactive() -> bool:
-    """Whether this process is an interactive IPython / Jupyter kernel."""
-    ipython = sys.modules.get("IPython")
-    if ipython is None:
-        return False
-    try:
-        return ipython.get_ipython() is not None
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def call_gpu_request(gpus: int | tuple[int, ...] | None, gpu_wait: float | None, timeout: float | None,

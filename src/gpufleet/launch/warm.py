@@ -31,6 +31,7 @@ from typing import IO, Any
 from ..results import RunDir
 from .gpu_requests import lease_for_group, release_group_lease
 from .group import GroupStatus
+from .kernel import interactive
 from .local import LocalPlacement, LocalWorkerGroup
 from .logstream import LogConfig, RankLog
 from .ports import find_free_port
@@ -43,17 +44,6 @@ logger = logging.getLogger(__name__)
 #: ``keep_warm=True`` keeps idle ranks this long (seconds).
 DEFAULT_KEEP_WARM_S = 600.0
 _END = (JOB_END + "\n").encode()
-
-
-def interactive() -> bool:
-    """Whether this process is an interactive IPython / Jupyter kernel."""
-    ipython = sys.modules.get("IPython")
-    if ipython is None:
-        return False
-    try:
-        return ipython.get_ipython() is not None
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def resolve_keep_warm(value: float | bool | None) -> float:
