@@ -281,6 +281,9 @@ class CallRecorder(ControllerCallback):
         if state == CANCELED and isinstance(error, KeyboardInterrupt):
             message = "interrupted (KeyboardInterrupt) in the calling process"
         db = self._store.with_wait(max(self._store.wait_s, END_WAIT_S))
+        if group.mlflow_run_id:  # a local call's MLflow run opens while its ranks start
+            self._try(group.run_id, "the MLflow run",
+                      lambda: db.update_attempt(group.run_id, attempt + 1, mlflow_run_id=group.mlflow_run_id))  # fmt: skip
         if not self._try(group.run_id, "the end", lambda: db.finish_run(group.run_id, state, message=message)):
             from .workload.records import write_run_outcome
 

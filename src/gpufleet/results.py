@@ -62,6 +62,11 @@ class RunDir:
     def outcome(self, rank: int) -> Path:
         return self.path / f"outcome-{rank}.pkl"
 
+    @property
+    def late_env(self) -> Path:
+        """Environment the ranks take after they started (see :meth:`~gpufleet.launch.group.WorkerGroup.defer_env`)."""
+        return self.path / "late-env.json"
+
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` so that ``path`` either does not exist or holds all of it."""

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 
 import pytest
@@ -295,3 +296,50 @@ def test_redact_masks_secret_names_and_every_env_variable() -> None:
     assert redact(config) == {"env_variables": {"HF_HOME": "***"}, "parameters": {"lr": 0.1, "wandb_token": "***"},
                               "credentials": "***"}  # fmt: skip
     assert [n for n in ("HF_TOKEN", "apiKey", "max_steps", "tokenizer", "monkey") if looks_secret(n)] == ["HF_TOKEN", "apiKey"]
+
+
+def _started_and_env() -> dict:
+    import os
+    import time
+
+    import psutil
+
+    return {"started": psutil.Process().create_time(), "entered": time.time(), "run": os.environ.get("MLFLOW_RUN_ID")}
+
+
+def test_the_mlflow_run_opens_while_the_ranks_start_and_the_call_sees_it(
+    client: MlflowClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpufleet.tracking import launch
+
+    real = launch.start_tracked_run
+    opened: dict[str, float] = {}
+
+    def slow_open(*args, **kwargs):
+        time.sleep(2.0)  # a slow store (or a slow MLflow import): the ranks must not wait for it to start
+        run = real(*args, **kwargs)
+        opened["at"] = time.time()
+        return run
+
+    monkeypatch.setattr(launch, "start_tracked_run", slow_open)
+    f = distributed(_started_and_env, experiment_name=_experiment(), **CPU)
+    handle = f.submit()
+    seen = handle.result(timeout=120)
+    assert handle.mlflow_run_id and [s["run"] for s in seen] == [handle.mlflow_run_id] * 2
+    assert all(s["started"] < opened["at"] - 1.0 for s in seen), (seen, opened)  # started during the opening
+    assert all(s["entered"] >= opened["at"] - 0.05 for s in seen), (seen, opened)  # the call waited for it
+    assert client.get_run(handle.mlflow_run_id).info.status == "FINISHED"
+
+
+def test_a_failing_mlflow_opening_releases_the_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpufleet.tracking import launch
+
+    def broken_open(*args, **kwargs):
+        raise RuntimeError("the tracking store is on fire")
+
+    monkeypatch.setattr(launch, "start_tracked_run", broken_open)
+    f = distributed(_started_and_env, experiment_name=_experiment(), **CPU)
+    with pytest.warns(RuntimeWarning, match="the tracking store is on fire"):
+        handle = f.submit()
+        seen = handle.result(timeout=60)
+    assert [s["run"] for s in seen] == [None, None] and handle.mlflow_run_id is None

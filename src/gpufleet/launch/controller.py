@@ -77,7 +77,7 @@ class ControllerCallback:
         """The controller this callback serves (made once, before any attempt): e.g. to cancel it."""
 
     def before_start(self, group: WorkerGroup, attempt: int) -> None:
-        """The group exists and has not started: it still takes environment (``add_env``)."""
+        """The group exists and has not started: it still takes environment (``add_env``, or ``defer_env``)."""
 
     def after_start(self, group: WorkerGroup, attempt: int) -> None:
         """The group started (a Ray group knows its size now)."""

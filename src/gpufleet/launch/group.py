@@ -82,6 +82,7 @@ class WorkerGroup(abc.ABC):
         self.run_dir = run_dir
         self.abort = threading.Event()
         self.mlflow_run_id: str | None = None
+        self._late_env = False
 
     @property
     def run_id(self) -> str:
@@ -105,6 +106,32 @@ class WorkerGroup(abc.ABC):
     def add_env(self, env: Mapping[str, str]) -> None:
         """Give every rank ``env`` too; only before :meth:`start`."""
         self.spec = self.spec.with_env(env)
+
+    #: The ranks can be started before all of their environment is known (:meth:`defer_env`).
+    takes_late_env: bool = False
+
+    def defer_env(self) -> None:
+        """Before :meth:`start`: the ranks start at once but wait for :meth:`release_env` before the call.
+
+        Lets a slow source of environment (opening the MLflow run) overlap the ranks' own start.
+        Only where :attr:`takes_late_env`; whoever defers must release, failure or not.
+        """
+        if not self.takes_late_env:
+            raise NotImplementedError(f"{type(self).__name__} cannot give its ranks environment after they start")
+        self._late_env = True
+
+    def release_env(self, env: Mapping[str, str]) -> None:
+        """Hand the deferred environment (possibly empty) to the ranks; they go on with the call."""
+        import json
+
+        from ..results import write_atomic
+
+        write_atomic(self.run_dir.late_env, json.dumps(dict(env)).encode())
+
+    @property
+    def env_deferred(self) -> bool:
+        """:meth:`defer_env` was called for this group."""
+        return self._late_env
 
     def log_path(self, rank: int) -> Path:
         """Where rank ``rank``'s output is kept in the caller."""

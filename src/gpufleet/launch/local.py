@@ -23,7 +23,7 @@ from .logstream import LogConfig, RankLog
 from .ports import find_free_port
 from .proctree import popen_in_own_group, run_processes, stop_tree
 from .progress import PROGRESS_INTERVAL_ENV, read_progress, request_stacks
-from .spec import PARENT_PID_ENV, LaunchSpec, Rendezvous, default_threads, local_slots
+from .spec import LATE_ENV_VAR, PARENT_PID_ENV, LaunchSpec, Rendezvous, default_threads, local_slots
 from .worker import LOOPBACK_STORE_ENV
 
 __all__ = ["LocalPlacement", "LocalWorkerGroup"]
@@ -78,6 +78,8 @@ class LocalWorkerGroup(WorkerGroup):
     its outcome file in the run directory says how it ended, its exit code says how it died.
     """
 
+    takes_late_env = True  # each rank waits for the file before it loads the call
+
     def __init__(self, spec: LaunchSpec, run_dir: RunDir, placement: LocalPlacement, logs: LogConfig,
                  grace_period_s: float = 5.0) -> None:  # fmt: skip
         super().__init__(spec, run_dir)
@@ -107,6 +109,8 @@ class LocalWorkerGroup(WorkerGroup):
         env["PYTHONPATH"] = os.pathsep.join(p for p in [package_parent, env.get("PYTHONPATH", "")] if p)
         env["GPUFLEET_RUN_DIR"] = str(self.run_dir.path)
         env[PARENT_PID_ENV] = str(os.getpid())
+        if self.env_deferred:
+            env[LATE_ENV_VAR] = str(self.run_dir.late_env)
         if self.placement.use_gpus:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # same order as NVML's indices
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.placement.gpu_indices)

@@ -17,6 +17,10 @@ from typing import Any
 
 #: Set in each rank's environment: the caller's pid (a rank ends itself when its caller is gone).
 PARENT_PID_ENV = "GPUFLEET_PARENT_PID"
+#: Set in each rank's environment when part of it comes after the start: the file that will hold
+#: it (JSON, written whole). The rank waits for it before it loads the call, then adds it to
+#: ``os.environ``; the call sees one environment either way.
+LATE_ENV_VAR = "GPUFLEET_LATE_ENV"
 
 
 @dataclass(frozen=True)

@@ -234,6 +234,8 @@ def shutdown_workers() -> int:
 class WarmWorkerGroup(LocalWorkerGroup):
     """One call on warm ranks: its own run id, folder, logs and outcomes; the ranks outlive it on success."""
 
+    takes_late_env = False  # a warm rank takes each call's environment with the call
+
     def __init__(self, spec: LaunchSpec, run_dir: RunDir, placement: LocalPlacement, logs: LogConfig,
                  grace_period_s: float, key: Hashable, keep_warm_s: float) -> None:  # fmt: skip
         super().__init__(spec, run_dir, placement, logs, grace_period_s)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..results import ERROR, OK, RunDir, write_outcome
-from .spec import PARENT_PID_ENV, Payload
+from .spec import LATE_ENV_VAR, PARENT_PID_ENV, Payload
 from .tracebacks import format_exception, register_sources
 
 
@@ -178,6 +178,36 @@ def _host_loopback_store() -> None:
     )
 
 
+def take_late_env() -> None:
+    """Wait for the environment the launcher hands over after the start, and add it to ``os.environ``.
+
+    Only where ``$GPUFLEET_LATE_ENV`` names the file (the MLflow run, opened while the ranks
+    started). The rank's caller writes it whole, on success or failure; a caller that dies
+    first ends the rank through the parent watch. While it waits the rank imports torch, as
+    rank 0 does anyway to host the rendezvous store.
+    """
+    path = os.environ.pop(LATE_ENV_VAR, None)
+    if not path:
+        return
+    import json
+
+    if not os.path.exists(path):
+        # Meanwhile, what nearly every call imports first (rank 0 has it already, for the store).
+        try:
+            import torch.distributed  # noqa: F401
+        except ImportError:
+            pass
+    delay = 0.002
+    while True:
+        try:
+            data = Path(path).read_bytes()
+            break
+        except FileNotFoundError:
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+    os.environ.update({str(k): str(v) for k, v in json.loads(data).items()})
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry of ``python -m gpufleet.launch.worker RUN_DIR RANK``."""
     argv = sys.argv[1:] if argv is None else argv
@@ -201,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         if entry not in sys.path:
             sys.path.append(entry)
     register_sources(payload.sources)  # tracebacks show the lines of code sent by value
+    take_late_env()  # before the call is loaded: its modules may read the environment on import
     fast = payload.fast_exit
     call = load_call(payload.call, rank, run_dir.outcome(rank))
     del payload  # the call's bytes go: a large argument is held once, as the object it is

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Mapping
@@ -12,7 +13,7 @@ from typing import Any
 
 from ..launch.controller import ControllerCallback
 from ..launch.group import WorkerGroup
-from .runs import TrackedRun, start_tracked_run
+from .runs import TrackedRun, caller_active_run, start_tracked_run
 
 _MAX_ITEMS = 50  # longer lists/dicts among the arguments are logged as their type only
 
@@ -73,8 +74,10 @@ def local_store_warning(uri: str, hosts: list[str]) -> str | None:
 class TrackingCallback(ControllerCallback):
     """One MLflow run per attempt of a ``@distributed`` call, local or on Ray.
 
-    Before the ranks start it opens the attempt's MLflow run and gives every rank
-    ``MLFLOW_RUN_ID``, ``MLFLOW_TRACKING_URI`` and the experiment; when the attempt ends it
+    It opens the attempt's MLflow run and gives every rank ``MLFLOW_RUN_ID``,
+    ``MLFLOW_TRACKING_URI`` and the experiment before the call runs: for local ranks in a thread
+    while they start (they wait for it before loading the call), elsewhere before the ranks
+    start. When the attempt ends it
     uploads the per-rank logs (and the error, for a failure or timeout) and sets the run's
     final status. A local group's size is known before it starts; a Ray group's once it has
     checked the cluster, and its number of nodes once the ranks are placed (logged at the end).
@@ -113,6 +116,7 @@ class TrackingCallback(ControllerCallback):
         self._code_tags: dict[str, str] | None = None
         self._attempts = 0
         self._tracked: dict[int, TrackedRun] = {}
+        self._opening: dict[int, threading.Thread] = {}
 
     def before_start(self, group: WorkerGroup, attempt: int) -> None:
         params: dict[str, Any] = {
@@ -130,40 +134,75 @@ class TrackingCallback(ControllerCallback):
         run_name = group.run_id
         if self._run_name:
             run_name = self._run_name if self._attempts == 1 else f"{self._run_name}-attempt-{self._attempts}"
-        if self._code_tags is None:  # once per call
-            from ..codeversion import code_version, mlflow_tags
-
-            self._code_tags = mlflow_tags(code_version(self._code_folder)) if self._code_folder else {}
-        tracked = start_tracked_run(
-            self._experiment_name,
-            run_name,
-            params=params,
-            system_metrics=self._launcher == "local",  # on Ray each node samples itself (launch/ray_actor.py)
-            tags={
-                "gpufleet.run_id": group.run_id,
-                "gpufleet.run_dir": str(group.run_dir.path),
-                "gpufleet.function": self._function_name,
-                "gpufleet.launcher": self._launcher,
-                **self._code_tags,
-            },
-        )
-        if not tracked.enabled:
+        active = caller_active_run()  # MLflow keeps it per thread: read it here, in the caller's
+        if not group.takes_late_env:
+            self._open(group, attempt, run_name, params, active)
             return
-        self._tracked[attempt] = tracked
-        group.add_env(tracked.env())
-        group.mlflow_run_id = tracked.run_id
-        from .links import run_line
+        # The ranks start now and wait for the run's environment before the call: importing
+        # MLflow and opening its store (about 2 s on a small machine) overlaps their own start.
+        group.defer_env()
+        opening = threading.Thread(
+            target=self._open, args=(group, attempt, run_name, params, active),
+            name=f"gpufleet-mlflow-{group.run_id}", daemon=True,
+        )
+        self._opening[attempt] = opening
+        opening.start()
 
+    def _open(self, group: WorkerGroup, attempt: int, run_name: str, params: dict[str, Any], active: Any) -> None:
+        """Open the attempt's MLflow run and give its environment to the ranks (released even on failure)."""
+        env: dict[str, str] = {}
         try:
-            line = run_line(tracked.tracking_uri, str(tracked.run_id), tracked.experiment_id, tracked.experiment_name)
-            sys.stderr.write(f"gpufleet: {line}\n")
-            sys.stderr.flush()
-        except Exception:  # noqa: BLE001 - a closed stream never stops the call
-            pass
+            if self._code_tags is None:  # once per call
+                from ..codeversion import code_version, mlflow_tags
+
+                self._code_tags = mlflow_tags(code_version(self._code_folder)) if self._code_folder else {}
+            tracked = start_tracked_run(
+                self._experiment_name,
+                run_name,
+                params=params,
+                system_metrics=self._launcher == "local",  # on Ray each node samples itself (launch/ray_actor.py)
+                tags={
+                    "gpufleet.run_id": group.run_id,
+                    "gpufleet.run_dir": str(group.run_dir.path),
+                    "gpufleet.function": self._function_name,
+                    "gpufleet.launcher": self._launcher,
+                    **self._code_tags,
+                },
+                active_run=active,
+            )
+            if not tracked.enabled:
+                return
+            self._tracked[attempt] = tracked
+            env = tracked.env()
+            group.mlflow_run_id = tracked.run_id
+            from .links import run_line
+
+            try:
+                line = run_line(tracked.tracking_uri, str(tracked.run_id), tracked.experiment_id, tracked.experiment_name)
+                sys.stderr.write(f"gpufleet: {line}\n")
+                sys.stderr.flush()
+            except Exception:  # noqa: BLE001 - a closed stream never stops the call
+                pass
+        except Exception as e:  # noqa: BLE001 - tracking trouble never stops a call
+            warnings.warn(f"MLflow tracking is off for run {group.run_id}: {e}", RuntimeWarning, stacklevel=1)
+        finally:
+            if group.env_deferred:
+                group.release_env(env)
+            else:
+                group.add_env(env)
+
+    def _opened(self, attempt: int) -> TrackedRun | None:
+        """The attempt's run, once its opening (in a thread while the ranks start) is done."""
+        opening = self._opening.pop(attempt, None)
+        if opening is not None:
+            opening.join()
+        return self._tracked.get(attempt)
 
     def after_start(self, group: WorkerGroup, attempt: int) -> None:
-        tracked = self._tracked.get(attempt)
-        if tracked is None or self._launcher == "local":
+        if self._launcher == "local":
+            return
+        tracked = self._opened(attempt)
+        if tracked is None:
             return
         tracked.log_params({"gpufleet.world_size": group.num_ranks})
         problem = local_store_warning(tracked.tracking_uri or "", getattr(group, "cluster_hosts", []))
@@ -171,6 +210,7 @@ class TrackingCallback(ControllerCallback):
             warnings.warn(problem, RuntimeWarning, stacklevel=2)
 
     def on_end(self, group: WorkerGroup, attempt: int, state: str, error: BaseException | None) -> None:
+        self._opened(attempt)
         tracked = self._tracked.pop(attempt, None)
         if tracked is None:
             return
