@@ -215,6 +215,7 @@ def test_limits_of_a_real_submission_are_clean_cli_errors(
         rc, out, err = cli(capsys, *argv)
         assert rc == 2, (argv, err)
         assert "cannot snapshot the code: code_source: more than 3 files" in err and "Traceback" not in err
+    assert RunStore(home).list(states=None, limit=None) == []  # refused before a run was recorded
     monkeypatch.setenv("GPUFLEET_SNAPSHOT_MAX_FILES", "lots")
     rc, out, err = cli(capsys, "run", "--dry-run", "-f", str(wl))
     assert rc == 2 and "GPUFLEET_SNAPSHOT_MAX_FILES='lots' is not a limit" in err

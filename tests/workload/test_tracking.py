@@ -64,3 +64,34 @@ def test_no_tracking_leaves_mlflow_out(tmp_path: Path, store: RunStore, capsys: 
     assert rc == 0, err
     assert "[node 0] run=none" in out
     assert store.get(out.splitlines()[0]).mlflow_run_ids() == []
+
+
+def test_an_interrupted_submission_ends_canceled_and_runs_nothing(
+    tmp_path: Path, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while `gpufleet run` opens the MLflow run: the supervisor already started, the command never runs."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    from gpufleet.workload import runner
+    from gpufleet.workload.submit import submit_run
+    from tests.workload.helpers import wait_state
+
+    def interrupted(proc, handoff):  # the pipe closes before the handoff is written
+        proc.stdin.close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "hand_over", interrupted)
+    marker = tmp_path / "ran"
+    wl = write_workload(tmp_path, experiment_name="interrupted", command=f"touch {marker}")
+    with pytest.raises(KeyboardInterrupt):
+        submit_run(wl, home=store.home)
+    (run,) = [r for r in store.list(states=None) if r.experiment == "interrupted"]
+    done = wait_state(store, run.id)
+    assert done.state == "CANCELED" and "ended before it handed the run over" in (done.message or ""), done
+    assert not marker.exists()
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    (mlflow_run,) = client.search_runs(
+        [client.get_experiment_by_name("interrupted").experiment_id], filter_string=f"tags.`gpufleet.run_id` = '{run.id}'"
+    )
+    assert mlflow_run.info.status == "KILLED"  # not left RUNNING

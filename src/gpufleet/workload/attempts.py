@@ -198,7 +198,7 @@ class WorkloadTracking(ControllerCallback):
         the run attached and the workload logged in a thread while the nodes start (MLflow's import
         and first store access take seconds, and nothing of the nodes' start waits on them).
         """
-        from ..tracking.runs import attach_tracked_run, tracking_env
+        from ..tracking.runs import attach_tracked_run, tracking_env, yield_cpu_to_training
 
         group.mlflow_run_id = opened["run_id"]
         self.store.update_attempt(self.run.id, attempt, mlflow_run_id=opened["run_id"])
@@ -206,6 +206,7 @@ class WorkloadTracking(ControllerCallback):
                                    opened.get("experiment_name")))  # fmt: skip
 
         def attach() -> None:
+            yield_cpu_to_training()  # the nodes' ranks start meanwhile and do not wait for this
             try:
                 tracked = attach_tracked_run(opened["run_id"], opened["tracking_uri"], opened.get("experiment_id"),
                                              opened.get("experiment_name"), system_metrics=self.system_metrics)  # fmt: skip

@@ -8,10 +8,12 @@ the timeout restarting per attempt, retries of failed and timed-out attempts, an
 requests (``gpufleet cancel``, SIGTERM) stopping every node. The run store and MLflow learn
 about each attempt through the controller's callbacks (:mod:`gpufleet.workload.attempts`).
 
-What must not touch the disk reaches the supervisor through a pipe on its stdin at start
-(``--handoff-stdin``, one JSON document, read before anything else): the values of the run's
+What must not touch the disk reaches the supervisor through a pipe on its stdin
+(``--handoff-stdin``, one JSON document, read just before the first attempt starts, so that the
+supervisor gets ready while ``gpufleet run`` still opens the MLflow run): the values of the run's
 ``secrets`` (kept in memory, put in every node's environment only) and the MLflow run that
-``gpufleet run`` opened for the first attempt.
+``gpufleet run`` opened for the first attempt. A pipe closed before the document is whole
+(``gpufleet run`` interrupted) ends the run CANCELED before anything ran.
 
 The supervisor's files are private (umask 077). Its SIGTERM handler is in place before it
 marks the run RUNNING, and ``gpufleet cancel`` signals only RUNNING runs: a run canceled
@@ -38,6 +40,7 @@ import traceback
 from pathlib import Path
 from typing import IO, Any
 
+from ..errors import GpufleetError
 from ..launch.controller import Controller, ControllerCallback
 from ..launch.spec import LaunchSpec
 from ..private import UnsafeStateError, private_dir, private_file_opener
@@ -78,15 +81,15 @@ _DROPPED_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "MLFLOW_RUN_ID"
 class Supervisor:
     """Runs every attempt of one stored run and records what happens."""
 
-    def __init__(self, run_id: str, home: str | None, handoff: dict[str, Any] | None = None) -> None:
+    def __init__(self, run_id: str, home: str | None, handoff: Handoff | None = None) -> None:
         self.log: IO[str] = sys.stderr
         self.store_wait_s = store_wait_s(STORE_WAIT_S, STORE_WAIT_ENV)
         self.store = RunStore(home, wait_s=self.store_wait_s, on_busy=self._on_busy)
         self.run = self.store.get(run_id)
         self.config = WorkloadConfig.model_validate(workload_document(self.run.config))
-        handoff = handoff or {}
-        self.secrets: dict[str, str] = dict(handoff.get("secrets") or {})  # in memory only
-        self.mlflow_run: dict[str, Any] | None = handoff.get("mlflow_run")  # attempt 1's, opened by `gpufleet run`
+        self._handoff = handoff  # read when the first attempt is about to start
+        self.secrets: dict[str, str] = {}  # in memory only
+        self.mlflow_run: dict[str, Any] | None = None  # attempt 1's, opened by `gpufleet run`
         self.run_dir = Path(self.run.run_dir)
         self.cancel_event = threading.Event()
         self.cancel_reason = "canceled by the user"
@@ -148,8 +151,23 @@ class Supervisor:
         self.finish(state, code, message)
         return 0
 
+    def _receive(self) -> None:
+        """Take the handoff of ``gpufleet run`` (waits until it is written; once).
+
+        Raises:
+            HandoffMissing: ``gpufleet run`` ended before it wrote all of it.
+        """
+        handoff, self._handoff = self._handoff, None
+        if handoff is None:
+            return
+        data = handoff.read()
+        self.secrets = dict(data.get("secrets") or {})
+        self.mlflow_run = data.get("mlflow_run")
+
     def _take_mlflow_run(self) -> dict[str, Any] | None:
         """The MLflow run ``gpufleet run`` opened for the first attempt (once)."""
+        with contextlib.suppress(HandoffMissing):
+            self._receive()
         opened, self.mlflow_run = self.mlflow_run, None
         return opened
 
@@ -217,6 +235,10 @@ class Supervisor:
             return CANCELED, None, self.cancel_reason + " (while its environment was being built)"
         if self.cancel_event.is_set():
             return CANCELED, None, self.cancel_reason
+        try:
+            self._receive()  # `gpufleet run` opened the MLflow run while this process got ready
+        except HandoffMissing as e:
+            return CANCELED, None, str(e)
         executor = create_executor(self.config)
         recorder = AttemptRecorder(self.store, self.run, self.config.timeout_minutes, lambda: self.cancel_reason, self.log)
         callbacks: list[ControllerCallback] = [recorder]
@@ -305,22 +327,22 @@ class Supervisor:
         )  # fmt: skip
 
 
-def start_supervisor(
-    run_id: str, home: Path, run_dir: Path, handoff: dict[str, Any] | None = None
-) -> subprocess.Popen[bytes]:
+def start_supervisor(run_id: str, home: Path, run_dir: Path, handoff_follows: bool = False) -> subprocess.Popen[bytes]:
     """Start the detached supervisor of a run; it outlives the calling process.
 
-    ``handoff`` (secret values, the first attempt's MLflow run) goes to it through a pipe, never
-    through a file or its command line.
+    With ``handoff_follows`` its stdin is a pipe that :func:`hand_over` writes once: secret
+    values and the first attempt's MLflow run go to it that way, never through a file or its
+    command line. The supervisor gets ready meanwhile and reads the pipe before the first
+    attempt starts.
     """
     log = open(run_dir / "supervisor.log", "ab", opener=private_file_opener)  # noqa: SIM115 - the child holds it
     env = dict(os.environ)
     env["GPUFLEET_RUN_ID"] = run_id
     argv = [sys.executable, "-m", "gpufleet.workload.runner", run_id, "--home", str(home)]
     try:
-        proc = subprocess.Popen(
-            argv + (["--handoff-stdin"] if handoff else []),
-            stdin=subprocess.PIPE if handoff else subprocess.DEVNULL,
+        return subprocess.Popen(
+            argv + (["--handoff-stdin"] if handoff_follows else []),
+            stdin=subprocess.PIPE if handoff_follows else subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # no terminal signals, survives the CLI
@@ -329,26 +351,62 @@ def start_supervisor(
         )
     finally:
         log.close()
-    if handoff:
-        assert proc.stdin is not None
-        try:
-            proc.stdin.write(json.dumps(handoff).encode())
-        except BrokenPipeError:  # it died at once: the liveness check records that
-            pass
-        finally:
-            with contextlib.suppress(BrokenPipeError):
-                proc.stdin.close()
-    return proc
 
 
-def _read_handoff() -> dict[str, Any]:
-    """The JSON document ``gpufleet run`` wrote to this process's stdin; stdin is then /dev/null."""
-    data = sys.stdin.buffer.read()
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)  # the nodes inherit nothing of the pipe
-    os.close(null)
-    handoff = json.loads(data or b"{}")
-    return handoff if isinstance(handoff, dict) else {}
+def hand_over(proc: subprocess.Popen[bytes], handoff: dict[str, Any]) -> None:
+    """Write the handoff to a supervisor started with ``handoff_follows`` and close the pipe."""
+    if proc.stdin is None:
+        return
+    document = {**handoff, HANDOFF_COMPLETE: True}
+    try:
+        proc.stdin.write(json.dumps(document).encode())
+    except BrokenPipeError:  # it died at once: the liveness check records that
+        pass
+    finally:
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.close()
+
+
+#: The key that ends every handoff: a pipe closed without it means `gpufleet run` ended first.
+HANDOFF_COMPLETE = "complete"
+
+
+class Handoff:
+    """The handoff on this process's stdin, read once, when first needed.
+
+    At start, the pipe moves to a descriptor no child inherits and stdin becomes /dev/null, so
+    the nodes (and the environment builder) get nothing of it.
+    """
+
+    def __init__(self) -> None:
+        self._fd: int | None = os.dup(0)  # not inheritable
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        self._data: dict[str, Any] | None = None
+
+    def read(self) -> dict[str, Any]:
+        """The handoff; raises :class:`HandoffMissing` when the pipe closed before it was whole."""
+        if self._data is None:
+            assert self._fd is not None
+            with os.fdopen(self._fd, "rb") as pipe:
+                self._fd = None
+                data = pipe.read()
+            try:
+                handoff = json.loads(data or b"{}")
+            except ValueError:
+                handoff = {}
+            if not isinstance(handoff, dict) or not handoff.pop(HANDOFF_COMPLETE, False):
+                raise HandoffMissing(
+                    "gpufleet run ended before it handed the run over (its secrets, its MLflow run): "
+                    "the run did not start; submit it again"
+                )
+            self._data = handoff
+        return self._data
+
+
+class HandoffMissing(GpufleetError):
+    """The submitting command ended before it wrote the whole handoff."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--home", default=None)
     parser.add_argument("--handoff-stdin", action="store_true", help="read secrets and the MLflow run from stdin")
     args = parser.parse_args(argv)
-    handoff = _read_handoff() if args.handoff_stdin else None
+    handoff = Handoff() if args.handoff_stdin else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     supervisor = Supervisor(args.run_id, args.home, handoff)
     return supervisor.main()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,7 +225,7 @@ def submit_run(
     from ..errors import GPUUnavailableError
     from .attempts import CODE_VERSION_KEY, MLFLOW_KEY
     from .executors import check_executor_available
-    from .runner import start_supervisor
+    from .runner import hand_over, start_supervisor
 
     p = Path(path)
     config, root = load_and_check(p, overrides)
@@ -242,6 +244,9 @@ def submit_run(
         resolved = config.model_copy(
             update={"code_source": config.code_source.model_copy(update={"root_path": str(root)})}
         )
+    entries = None  # the files to copy, listed (and refused) before anything is stored
+    if root is not None and config.code_source is not None:
+        entries = _snapshot_entries(config, root, p)
     runs_dir = private_dir(store.runs_dir, "the workload runs folder")  # before anything is stored
     run_id = new_run_id(config.experiment_name)
     run_dir = runs_dir / run_id
@@ -249,16 +254,9 @@ def submit_run(
     version = code_version(root) if root is not None else None
     if version is not None:
         stored[CODE_VERSION_KEY] = version
-    tracked = _open_first_mlflow_run(config, run_id, version) if tracking else None
-    handoff: dict[str, Any] = {"secrets": secrets} if secrets else {}
-    if tracked is not None:
-        from ..tracking.links import server_address
-
-        uri = str(tracked.tracking_uri)
-        stored[MLFLOW_KEY] = {"tracking_uri": server_address(uri) or uri, "experiment_id": tracked.experiment_id,
-                              "experiment": tracked.experiment_name}  # fmt: skip
-        handoff["mlflow_run"] = {"run_id": tracked.run_id, "tracking_uri": uri,
-                                 "experiment_id": tracked.experiment_id, "experiment_name": tracked.experiment_name}  # fmt: skip
+    # MLflow (importing it, opening its store: about 2 s on a small machine) opens the first
+    # attempt's run in a thread while the run is stored, its code copied and its supervisor starts.
+    opening = _FirstMlflowRun(config, run_id, version) if tracking else None
     record = RunRecord(
         id=run_id,
         experiment=config.experiment_name,
@@ -276,31 +274,55 @@ def submit_run(
     try:
         run, created = store.create_run(record)
     except BaseException:
-        if tracked is not None:
-            tracked.end("FAILED")
+        if opening is not None:
+            opening.end("FAILED")
         raise
     if not created:
-        if tracked is not None:
-            tracked.end("CANCELED")  # another submission with this key won the race
+        if opening is not None:
+            opening.end("CANCELED")  # another submission with this key won the race
         return Submission(run, False)
     try:
         private_dir(run_dir, "the run folder")
         code_dir = private_dir(run_dir / "code", "the run's code snapshot")
-        if root is not None and config.code_source is not None:
-            _snapshot(config, root, code_dir, p)
+        if root is not None and config.code_source is not None and entries is not None:
+            snapshot(root, code_dir, config.code_source.include_paths, entries=entries)
         _write_private(run_dir / "hyperparameters.yaml", config.parameters)
         _write_private(run_dir / "workload.yaml", resolved.model_dump(mode="json"))
-        proc = start_supervisor(run_id, store.home, run_dir, handoff)
-    except Exception as e:
+        proc = start_supervisor(run_id, store.home, run_dir, handoff_follows=bool(secrets) or opening is not None)
+    except BaseException as e:
         store.finish_run(run_id, FAILED, message=f"could not start the run: {e}")
+        if opening is not None:
+            opening.end("FAILED")
+        raise
+    handoff: dict[str, Any] = {"secrets": secrets} if secrets else {}
+    tracked, handed = None, False
+    try:
+        tracked = opening.result() if opening is not None else None  # the supervisor waits for it
         if tracked is not None:
-            tracked.end("FAILED")
+            from ..tracking.links import server_address
+
+            uri = str(tracked.tracking_uri)
+            stored[MLFLOW_KEY] = {"tracking_uri": server_address(uri) or uri, "experiment_id": tracked.experiment_id,
+                                  "experiment": tracked.experiment_name}  # fmt: skip
+            handoff["mlflow_run"] = {"run_id": tracked.run_id, "tracking_uri": uri,
+                                     "experiment_id": tracked.experiment_id, "experiment_name": tracked.experiment_name}  # fmt: skip
+            store.update_run(run_id, config=stored)  # before the handoff: the supervisor reads the run after it
+        hand_over(proc, handoff)
+        handed = True
+        if tracked is not None:
+            tracked.release()  # the supervisor logs into it and ends it
+    except BaseException:  # interrupted (Ctrl-C): the supervisor reads an unfinished handoff and ends the run
+        if not handed:
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+            if tracked is not None:
+                tracked.end("CANCELED")
         raise
     line = first = None
     if tracked is not None:
         from ..tracking.links import run_line, run_link
 
-        tracked.release()  # the supervisor logs into it and ends it
         line = run_line(tracked.tracking_uri, str(tracked.run_id), tracked.experiment_id, tracked.experiment_name)
         link = run_link(tracked.tracking_uri, str(tracked.run_id), tracked.experiment_id)
         first = {"attempt": 1, "run_id": tracked.run_id, "link": link}
@@ -310,6 +332,34 @@ def submit_run(
         started = None
     store.update_run(run_id, supervisor_pid=proc.pid, supervisor_started=started)
     return Submission(store.get(run_id), True, line, config_warnings(config), first)
+
+
+class _FirstMlflowRun:
+    """The first attempt's MLflow run, being opened in a thread (see :func:`_open_first_mlflow_run`)."""
+
+    def __init__(self, config: WorkloadConfig, run_id: str, version: dict[str, Any] | None) -> None:
+        self._tracked: Any = None
+        self._thread = threading.Thread(
+            target=self._open, args=(config, run_id, version), name="gpufleet-mlflow", daemon=True
+        )
+        self._thread.start()
+
+    def _open(self, config: WorkloadConfig, run_id: str, version: dict[str, Any] | None) -> None:
+        try:
+            self._tracked = _open_first_mlflow_run(config, run_id, version)
+        except Exception as e:  # noqa: BLE001 - tracking trouble never stops a submission
+            logger.warning("MLflow tracking is off for run %s: %s", run_id, e)
+
+    def result(self) -> Any:
+        """The opened run, or None (tracking off, MLflow missing or unreachable)."""
+        self._thread.join()
+        return self._tracked
+
+    def end(self, state: str) -> None:
+        """End the run (once opened) because the submission did not go through."""
+        tracked = self.result()
+        if tracked is not None:
+            tracked.end(state)
 
 
 def _open_first_mlflow_run(config: WorkloadConfig, run_id: str, version: dict[str, Any] | None) -> Any:
@@ -324,8 +374,11 @@ def _open_first_mlflow_run(config: WorkloadConfig, run_id: str, version: dict[st
     return tracked if tracked.enabled else None
 
 
-def _snapshot(config: WorkloadConfig, root: Path, code_dir: Path, workload_path: Path) -> None:
-    """Copy the code folder into the run, without the files secrets are read from; check the requirement files."""
+def _snapshot_entries(config: WorkloadConfig, root: Path, workload_path: Path) -> list[Any]:
+    """The files the run's code snapshot will copy: the code folder without the files secrets are
+    read from. Raises (nothing stored yet) when the folder cannot be copied (a link leaving it,
+    a limit passed) or a requirement file it names is missing.
+    """
     from ..secrets import secret_files
 
     assert config.code_source is not None
@@ -335,7 +388,7 @@ def _snapshot(config: WorkloadConfig, root: Path, code_dir: Path, workload_path:
     problems = requirement_file_problems(config, root, [e.rel for e in entries])
     if problems:
         raise WorkloadValidationError([Problem(*m.split(": ", 1)) for m in problems], str(workload_path))
-    snapshot(root, code_dir, config.code_source.include_paths, entries=entries)
+    return entries
 
 
 def _write_private(path: Path, document: Any) -> None:
