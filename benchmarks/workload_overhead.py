@@ -20,6 +20,7 @@ environment) and ends any it finds.
 
     python benchmarks/workload_overhead.py                     # 5 rounds
     python benchmarks/workload_overhead.py --rounds 9 --json overhead.json
+    git worktree add /tmp/base HEAD~3 && python benchmarks/workload_overhead.py --baseline /tmp/base
 """
 
 from __future__ import annotations
@@ -110,7 +111,15 @@ def _summary(samples: list[float]) -> dict[str, float]:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
 
 
-def run_workloads(rounds: int, work: Path, base_env: dict[str, str]) -> dict[str, dict[str, dict[str, float]]]:
+def _with_baseline(env: dict[str, str], baseline: str) -> dict[str, str]:
+    """``env`` running the gpufleet in the source folder ``baseline`` (its ``src``) instead of this one."""
+    src = str(Path(baseline).resolve() / "src")
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in [src, env.get("PYTHONPATH", "")] if p)}
+
+
+def run_workloads(
+    rounds: int, work: Path, base_env: dict[str, str], baseline: str | None = None
+) -> dict[str, dict[str, dict[str, float]]]:
     (work / "one_step.py").write_text(ONE_STEP)
     (work / "workload.yaml").write_text(
         "experiment_name: workload-overhead\n"
@@ -136,6 +145,9 @@ def run_workloads(rounds: int, work: Path, base_env: dict[str, str]) -> dict[str
         "gpufleet": lambda: _timed([*gf, "--no-tracking"], env, work, stamps),
         "gpufleet+mlflow": lambda: _timed(gf, env, work, stamps),
     }
+    if baseline:
+        old_env = _with_baseline(env, baseline)
+        cases["baseline+mlflow"] = lambda: _timed(gf, old_env, work, stamps)
     for fn in cases.values():  # warm-up: page cache, the run store, the MLflow store
         fn()
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
@@ -150,13 +162,15 @@ def run_workloads(rounds: int, work: Path, base_env: dict[str, str]) -> dict[str
     }
 
 
-def run_calls(rounds: int, work: Path, base_env: dict[str, str]) -> dict[str, dict[str, float]]:
+def run_calls(rounds: int, work: Path, base_env: dict[str, str], baseline: str | None = None) -> dict[str, dict[str, float]]:
     (work / "call.py").write_text(TRIVIAL_CALL)
     argv = [sys.executable, "call.py"]
     cases = {
         "call, untracked": {**base_env, "GPUFLEET_TRACKING": "0"},
         "call, tracked": base_env,
     }
+    if baseline:
+        cases["baseline, tracked"] = _with_baseline(base_env, baseline)
     for env in cases.values():
         _timed(argv, env, work, None)
     samples: dict[str, list[float]] = {name: [] for name in cases}
@@ -184,6 +198,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds of the workload cases")
     parser.add_argument("--calls", type=int, default=5, help="timed rounds of the call cases")
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--baseline", help="a gpufleet source folder (a git worktree of another commit, say) "
+                        "whose tracked cases run in the same rounds, for a before/after")  # fmt: skip
     args = parser.parse_args()
 
     mark = uuid.uuid4().hex
@@ -191,8 +207,8 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "GPUFLEET_"))}
     env.update({MARK: mark, "GPUFLEET_HOME": str(work / "home")})
     try:
-        workloads = run_workloads(args.rounds, work, env)
-        calls = run_calls(args.calls, work, env)
+        workloads = run_workloads(args.rounds, work, env, args.baseline)
+        calls = run_calls(args.calls, work, env, args.baseline)
     finally:
         left = _leftovers(mark)
         for pid in left:
