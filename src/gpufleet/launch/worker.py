@@ -8,12 +8,15 @@ its traceback).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import fcntl
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -178,25 +181,34 @@ def _host_loopback_store() -> None:
     )
 
 
-def take_late_env() -> None:
-    """Wait for the environment the launcher hands over after the start, and add it to ``os.environ``.
+@contextlib.contextmanager
+def _import_slot(run_dir: RunDir, rank: int) -> Iterator[None]:
+    """While their environment is deferred, at most (cores - 1) ranks import at once.
 
-    Only where ``$GPUFLEET_LATE_ENV`` names the file (the MLflow run, opened while the ranks
-    started). The rank's caller writes it whole, on success or failure; a caller that dies
-    first ends the rank through the parent watch. While it waits the rank imports torch, as
-    rank 0 does anyway to host the rendezvous store.
+    The caller opens the MLflow run meanwhile (about 2 CPU-seconds of imports) and every rank
+    waits for it: on a machine with few cores, ranks importing torch side by side would slow
+    that opening, which is what they all wait for. One core is left to it; with more cores
+    than ranks nothing waits.
     """
-    path = os.environ.pop(LATE_ENV_VAR, None)
-    if not path:
-        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    slots = max(1, cores - 1)
+    fd = os.open(run_dir.path / f"import-slot-{rank % slots}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def take_late_env(path: str) -> None:
+    """Wait for the environment the launcher hands over after the start (the file ``path``), and
+    add it to ``os.environ``.
+
+    The rank's caller writes it whole, on success or failure; a caller that dies first ends the
+    rank through the parent watch.
+    """
     import json
 
-    if not os.path.exists(path):
-        # Meanwhile, what nearly every call imports first (rank 0 has it already, for the store).
-        try:
-            import torch.distributed  # noqa: F401
-        except ImportError:
-            pass
     delay = 0.002
     while True:
         try:
@@ -221,17 +233,24 @@ def main(argv: list[str] | None = None) -> int:
 
     progress.start(rank)  # faults to rehearse; progress and stacks when the hang watchdog is on
 
-    if os.environ.get(LOOPBACK_STORE_ENV) == "1" and os.environ.get("RANK") == "0":
-        try:
-            _host_loopback_store()
-        except ImportError:  # no torch here: the function cannot rendezvous through torch either
-            pass
+    late_env = os.environ.pop(LATE_ENV_VAR, None)  # part of the environment comes after the start
+    with _import_slot(run_dir, rank) if late_env else contextlib.nullcontext():
+        if os.environ.get(LOOPBACK_STORE_ENV) == "1" and os.environ.get("RANK") == "0":
+            try:
+                _host_loopback_store()
+            except ImportError:  # no torch here: the function cannot rendezvous through torch either
+                pass
+        elif late_env and not os.path.exists(late_env):
+            # Meanwhile, what nearly every call imports first (rank 0 has it already, for the store).
+            with contextlib.suppress(ImportError):
+                import torch.distributed  # noqa: F401
     payload = Payload.read(run_dir.payload)
     for entry in payload.sys_path:
         if entry not in sys.path:
             sys.path.append(entry)
     register_sources(payload.sources)  # tracebacks show the lines of code sent by value
-    take_late_env()  # before the call is loaded: its modules may read the environment on import
+    if late_env:
+        take_late_env(late_env)  # before the call is loaded: its modules may read the environment on import
     fast = payload.fast_exit
     call = load_call(payload.call, rank, run_dir.outcome(rank))
     del payload  # the call's bytes go: a large argument is held once, as the object it is

@@ -149,8 +149,10 @@ class TrackingCallback(ControllerCallback):
         opening.start()
 
     def _open(self, group: WorkerGroup, attempt: int, run_name: str, params: dict[str, Any], active: Any) -> None:
-        """Open the attempt's MLflow run and give its environment to the ranks (released even on failure)."""
+        """Open the attempt's MLflow run and give its environment to the ranks (released even on failure);
+        then log the parameters and start the system metrics, while the call runs."""
         env: dict[str, str] = {}
+        tracked: TrackedRun | None = None
         try:
             if self._code_tags is None:  # once per call
                 from ..codeversion import code_version, mlflow_tags
@@ -159,8 +161,7 @@ class TrackingCallback(ControllerCallback):
             tracked = start_tracked_run(
                 self._experiment_name,
                 run_name,
-                params=params,
-                system_metrics=self._launcher == "local",  # on Ray each node samples itself (launch/ray_actor.py)
+                system_metrics=False,
                 tags={
                     "gpufleet.run_id": group.run_id,
                     "gpufleet.run_dir": str(group.run_dir.path),
@@ -170,19 +171,11 @@ class TrackingCallback(ControllerCallback):
                 },
                 active_run=active,
             )
-            if not tracked.enabled:
-                return
-            self._tracked[attempt] = tracked
-            env = tracked.env()
-            group.mlflow_run_id = tracked.run_id
-            from .links import run_line
-
-            try:
-                line = run_line(tracked.tracking_uri, str(tracked.run_id), tracked.experiment_id, tracked.experiment_name)
-                sys.stderr.write(f"gpufleet: {line}\n")
-                sys.stderr.flush()
-            except Exception:  # noqa: BLE001 - a closed stream never stops the call
-                pass
+            if tracked.enabled:
+                self._tracked[attempt] = tracked
+                env = tracked.env()
+                group.mlflow_run_id = tracked.run_id
+                self._say_where(tracked)
         except Exception as e:  # noqa: BLE001 - tracking trouble never stops a call
             warnings.warn(f"MLflow tracking is off for run {group.run_id}: {e}", RuntimeWarning, stacklevel=1)
         finally:
@@ -190,6 +183,22 @@ class TrackingCallback(ControllerCallback):
                 group.release_env(env)
             else:
                 group.add_env(env)
+        if tracked is not None and tracked.enabled:
+            tracked.log_params(params)  # a failure is a warning: see TrackedRun
+            if self._launcher == "local":  # on Ray each node samples itself (launch/ray_actor.py)
+                tracked.start_system_metrics()
+
+    @staticmethod
+    def _say_where(tracked: TrackedRun) -> None:
+        """One line on stderr: the run's id and where to see it."""
+        from .links import run_line
+
+        try:
+            line = run_line(tracked.tracking_uri, str(tracked.run_id), tracked.experiment_id, tracked.experiment_name)
+            sys.stderr.write(f"gpufleet: {line}\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - a closed stream never stops the call
+            pass
 
     def _opened(self, attempt: int) -> TrackedRun | None:
         """The attempt's run, once its opening (in a thread while the ranks start) is done."""
