@@ -73,7 +73,7 @@ def test_an_interrupted_submission_ends_canceled_and_runs_nothing(
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient
 
-    from gpufleet.workload import runner
+    from gpufleet.workload import handoff
     from gpufleet.workload.submit import submit_run
     from tests.workload.helpers import wait_state
 
@@ -81,7 +81,7 @@ def test_an_interrupted_submission_ends_canceled_and_runs_nothing(
         proc.stdin.close()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner, "hand_over", interrupted)
+    monkeypatch.setattr(handoff, "hand_over", interrupted)
     marker = tmp_path / "ran"
     wl = write_workload(tmp_path, experiment_name="interrupted", command=f"touch {marker}")
     with pytest.raises(KeyboardInterrupt):

@@ -1,4 +1,8 @@
-"""Turning a workload file into a plan (dry run) or a stored run with a running supervisor."""
+"""Turning a workload file into a plan (dry run) or a stored run with a running supervisor.
+
+One concern past 400 lines: the way from a workload file to a submitted run (validation, the
+plan, the code snapshot's listing, the stored record, the first MLflow run and the handoff).
+"""
 
 from __future__ import annotations
 
@@ -225,7 +229,7 @@ def submit_run(
     from ..errors import GPUUnavailableError
     from .attempts import CODE_VERSION_KEY, MLFLOW_KEY
     from .executors import check_executor_available
-    from .runner import hand_over, start_supervisor
+    from .handoff import hand_over, start_supervisor
 
     p = Path(path)
     config, root = load_and_check(p, overrides)
