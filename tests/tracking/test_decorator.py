@@ -343,3 +343,25 @@ def test_a_failing_mlflow_opening_releases_the_ranks(monkeypatch: pytest.MonkeyP
         handle = f.submit()
         seen = handle.result(timeout=60)
     assert [s["run"] for s in seen] == [None, None] and handle.mlflow_run_id is None
+
+
+def _visible_gpus() -> str | None:
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_a_call_on_every_free_gpu_logs_the_number_it_was_leased(
+    client: MlflowClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpufleet.launch.leases import GpuRequest, Holder, acquire
+
+    monkeypatch.setenv("GPUFLEET_FAKE_GPUS", "2")  # the lease code of real GPUs, on two fake ones
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with acquire(GpuRequest(named=(0,), wait_s=0), Holder("another-run", "call")):  # GPU 0 is taken
+        f = distributed(_visible_gpus, experiment_name=_experiment(), gpus=None, stream_logs=False)
+        handle = f.submit()
+        seen = handle.result(timeout=120)
+    assert seen == ["1"]  # one rank, on the free GPU
+    params = client.get_run(handle.mlflow_run_id).data.params
+    assert params["gpufleet.world_size"] == "1" and params["gpufleet.num_nodes"] == "1", params

@@ -117,6 +117,7 @@ class TrackingCallback(ControllerCallback):
         self._attempts = 0
         self._tracked: dict[int, TrackedRun] = {}
         self._opening: dict[int, threading.Thread] = {}
+        self._started: dict[int, threading.Event] = {}
 
     def before_start(self, group: WorkerGroup, attempt: int) -> None:
         params: dict[str, Any] = {
@@ -124,8 +125,6 @@ class TrackingCallback(ControllerCallback):
             "gpufleet.gpus": self._gpus,
             "gpufleet.gpu_type": self._gpu_type,
         }
-        if self._launcher == "local":
-            params.update({"gpufleet.world_size": group.num_ranks, "gpufleet.num_nodes": 1})
         params.update({
             "gpufleet.attempt": attempt, "gpufleet.max_retries": self._max_retries, "gpufleet.timeout_s": self._timeout,
         })
@@ -141,6 +140,7 @@ class TrackingCallback(ControllerCallback):
         # The ranks start now and wait for the run's environment before the call: importing
         # MLflow and opening its store (about 2 s on a small machine) overlaps their own start.
         group.defer_env()
+        self._started[attempt] = threading.Event()  # set once the group has started (its size is final then)
         opening = threading.Thread(
             target=self._open, args=(group, attempt, run_name, params, active),
             name=f"gpufleet-mlflow-{group.run_id}", daemon=True,
@@ -185,6 +185,10 @@ class TrackingCallback(ControllerCallback):
                 group.add_env(env)
         if tracked is not None and tracked.enabled:
             tracked.log_params(params)  # a failure is a warning: see TrackedRun
+            started = self._started.get(attempt)
+            if started is not None:  # the ranks run now; their number is known once the GPUs are leased
+                started.wait()
+                tracked.log_params({"gpufleet.world_size": group.num_ranks, "gpufleet.num_nodes": 1})
             if self._launcher == "local":  # on Ray each node samples itself (launch/ray_actor.py)
                 tracked.start_system_metrics()
 
@@ -208,10 +212,15 @@ class TrackingCallback(ControllerCallback):
         return self._tracked.get(attempt)
 
     def after_start(self, group: WorkerGroup, attempt: int) -> None:
-        if self._launcher == "local":
+        started = self._started.get(attempt)
+        if started is not None:  # the opening thread logs the size
+            started.set()
             return
         tracked = self._opened(attempt)
         if tracked is None:
+            return
+        if self._launcher == "local":  # a warm group: its GPUs are leased in start() too
+            tracked.log_params({"gpufleet.world_size": group.num_ranks, "gpufleet.num_nodes": 1})
             return
         tracked.log_params({"gpufleet.world_size": group.num_ranks})
         problem = local_store_warning(tracked.tracking_uri or "", getattr(group, "cluster_hosts", []))
@@ -219,6 +228,9 @@ class TrackingCallback(ControllerCallback):
             warnings.warn(problem, RuntimeWarning, stacklevel=2)
 
     def on_end(self, group: WorkerGroup, attempt: int, state: str, error: BaseException | None) -> None:
+        started = self._started.pop(attempt, None)
+        if started is not None:
+            started.set()  # a group that never started: the opening thread must not wait for it
         self._opened(attempt)
         tracked = self._tracked.pop(attempt, None)
         if tracked is None:
