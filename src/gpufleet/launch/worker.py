@@ -182,20 +182,28 @@ def _host_loopback_store() -> None:
 
 
 @contextlib.contextmanager
-def _import_slot(run_dir: RunDir, rank: int) -> Iterator[None]:
+def _import_slot(run_dir: RunDir, rank: int, late_env: str, must: bool) -> Iterator[bool]:
     """While their environment is deferred, at most (cores - 1) ranks import at once.
 
     The caller opens the MLflow run meanwhile (about 2 CPU-seconds of imports) and every rank
     waits for it: on a machine with few cores, ranks importing torch side by side would slow
     that opening, which is what they all wait for. One core is left to it; with more cores
-    than ranks nothing waits.
+    than ranks nothing waits. A rank that ``must`` import (rank 0, for the store) waits for its
+    slot; another gives up waiting once the environment is there, and yields False.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-    slots = max(1, cores - 1)
-    fd = os.open(run_dir.path / f"import-slot-{rank % slots}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    fd = os.open(run_dir.path / f"import-slot-{rank % max(1, cores - 1)}.lock", os.O_CREAT | os.O_RDWR, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if must else fcntl.LOCK_NB))
+                break
+            except BlockingIOError:
+                if os.path.exists(late_env):
+                    yield False
+                    return
+                time.sleep(0.01)
+        yield True
     finally:
         os.close(fd)  # releases the lock
 
@@ -234,13 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     progress.start(rank)  # faults to rehearse; progress and stacks when the hang watchdog is on
 
     late_env = os.environ.pop(LATE_ENV_VAR, None)  # part of the environment comes after the start
-    with _import_slot(run_dir, rank) if late_env else contextlib.nullcontext():
-        if os.environ.get(LOOPBACK_STORE_ENV) == "1" and os.environ.get("RANK") == "0":
+    hosts_store = os.environ.get(LOOPBACK_STORE_ENV) == "1" and os.environ.get("RANK") == "0"
+    with _import_slot(run_dir, rank, late_env, hosts_store) if late_env else contextlib.nullcontext(True) as slot:
+        if hosts_store:
             try:
                 _host_loopback_store()
             except ImportError:  # no torch here: the function cannot rendezvous through torch either
                 pass
-        elif late_env and not os.path.exists(late_env):
+        elif late_env and slot and not os.path.exists(late_env):
             # Meanwhile, what nearly every call imports first (rank 0 has it already, for the store).
             with contextlib.suppress(ImportError):
                 import torch.distributed  # noqa: F401
