@@ -1,0 +1,61 @@
+"""Ranks waiting for their MLflow run import torch a few at a time, and stop waiting once it is open."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from gpufleet.launch import worker
+from gpufleet.results import RunDir
+
+
+def _hold(path: Path) -> int:
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def test_a_rank_waiting_for_a_slot_goes_on_once_the_run_is_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # two cores: one import at a time
+    late = tmp_path / "late-env.json"
+    importing = _hold(tmp_path / "import-slot-0.lock")  # rank 0 imports torch for the store
+    got: list[bool] = []
+
+    def rank_1() -> None:
+        with worker._import_slot(RunDir(tmp_path), 1, str(late), must=False) as slot:
+            got.append(slot)
+
+    waiting = threading.Thread(target=rank_1)
+    waiting.start()
+    time.sleep(0.3)
+    assert waiting.is_alive() and got == []  # the run is not open yet: it waits for the slot
+    late.write_text("{}")  # the caller opened the run
+    waiting.join(5)
+    assert got == [False]  # it went on without importing beside rank 0
+    os.close(importing)
+    with worker._import_slot(RunDir(tmp_path), 1, str(tmp_path / "not-yet.json"), must=False) as slot:
+        assert slot is True  # a free slot is taken
+
+
+def test_with_more_cores_than_ranks_nobody_waits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    held = _hold(tmp_path / "import-slot-0.lock")  # rank 0 importing
+    got: list[bool] = []
+
+    def ranks() -> None:
+        for rank in range(1, 8):
+            with worker._import_slot(RunDir(tmp_path), rank, str(tmp_path / "late-env.json"), must=False) as slot:
+                got.append(slot)
+
+    try:
+        others = threading.Thread(target=ranks, daemon=True)
+        others.start()
+        others.join(5)
+        assert got == [True] * 7  # each took a slot of its own at once, beside rank 0
+    finally:
+        os.close(held)
