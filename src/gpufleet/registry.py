@@ -294,10 +294,17 @@ class CallRecorder(ControllerCallback):
 
     # -- the caller's watch on its record ------------------------------------------------
     def _poll(self, db: RunStore, group: WorkerGroup, stop: threading.Event) -> None:
-        """Cancel the call when its record asks for it; mark a Ray call RUNNING once its ranks run."""
+        """Cancel the call when its record asks for it; mark a Ray call RUNNING once its ranks run;
+        record a local call's MLflow run once it is open (it opens while the ranks start)."""
         reader = db.with_wait(min(db.wait_s, 0.2))
         running = group.starts_at_once
+        mlflow_run_id = group.mlflow_run_id
         while not stop.wait(POLL_S):
+            if group.mlflow_run_id and group.mlflow_run_id != mlflow_run_id and running:
+                mlflow_run_id = group.mlflow_run_id
+                attempt = int(getattr(group.spec, "attempt", 0)) + 1
+                self._try(group.run_id, "the MLflow run",
+                          lambda a=attempt, m=mlflow_run_id: db.update_attempt(group.run_id, a, mlflow_run_id=m))  # fmt: skip
             try:
                 run = reader.get(group.run_id)
             except Exception:  # noqa: BLE001 - busy: the next look

@@ -365,3 +365,32 @@ def test_a_call_on_every_free_gpu_logs_the_number_it_was_leased(
     assert seen == ["1"]  # one rank, on the free GPU
     params = client.get_run(handle.mlflow_run_id).data.params
     assert params["gpufleet.world_size"] == "1" and params["gpufleet.num_nodes"] == "1", params
+
+
+def _sleep(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+
+
+def test_the_run_registry_shows_a_running_calls_mlflow_run(client: MlflowClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpufleet.tracking import launch
+    from gpufleet.workload.store import RunStore
+
+    real = launch.start_tracked_run
+
+    def slow_open(*args, **kwargs):
+        time.sleep(2.0)  # MLflow's first import: the ranks are running (and recorded) before the run opens
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "start_tracked_run", slow_open)
+    handle = distributed(_sleep, experiment_name=_experiment(), **CPU).submit(8.0)
+    store = RunStore()
+    deadline = time.time() + 60
+    while time.time() < deadline and not handle.done():
+        if handle.mlflow_run_id and store.get(handle.run_id).mlflow_run_ids() == [handle.mlflow_run_id]:
+            break
+        time.sleep(0.2)
+    assert not handle.done(), "the call ended before `gpufleet get` could show its MLflow run"
+    handle.result(timeout=60)
+    assert store.get(handle.run_id).mlflow_run_ids() == [handle.mlflow_run_id]
