@@ -162,6 +162,49 @@ def run_workloads(
     }
 
 
+def run_retries(rounds: int, work: Path, base_env: dict[str, str]) -> dict[str, dict[str, float]]:
+    """A workload whose first attempt fails at once: from the second attempt's start to its first rank.
+
+    The supervisor has MLflow loaded by then (it attached the first attempt's run), so a retried
+    attempt shows what tracking costs per attempt rather than per run.
+    """
+    from gpufleet.workload.store import RunStore
+
+    (work / "one_step.py").write_text(ONE_STEP)
+    retry = 'if [ "$GPUFLEET_ATTEMPT" = 1 ]; then exit 3; fi; ' + COMMAND
+    (work / "retry.yaml").write_text(
+        "experiment_name: workload-overhead-retry\n"
+        "compute: {accelerator_type: CPU_2, num_accelerators: 2}\n"
+        "code_source: {root_path: ., include_paths: [one_step.py]}\n"
+        "max_retries: 1\n"
+        f"command: {json.dumps(retry)}\n"
+    )
+    stamps = work / "stamps"
+    env = {**base_env, "STAMP_DIR": str(stamps)}
+    gf = [sys.executable, "-m", "gpufleet.cli", "run", "-f", "retry.yaml", "--watch"]
+    cases = {"gpufleet, attempt 2": [*gf, "--no-tracking"], "gpufleet+mlflow, attempt 2": gf}
+    store = RunStore(base_env["GPUFLEET_HOME"])
+
+    def second_attempt(argv: list[str]) -> float:
+        shutil.rmtree(stamps, ignore_errors=True)
+        stamps.mkdir()
+        done = subprocess.run(argv, env=env, cwd=work, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{argv} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        run = store.get(done.stdout.split()[0])
+        assert [a.state for a in run.attempts] == ["FAILED", "SUCCESS"], run.attempts
+        first_rank, _ = _stamps(stamps)
+        return first_rank - run.attempts[1].started_at
+
+    for argv in cases.values():  # warm-up
+        second_attempt(argv)
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, argv in cases.items():
+            samples[name].append(second_attempt(argv))
+    return {name: _summary(s) for name, s in samples.items()}
+
+
 def run_calls(rounds: int, work: Path, base_env: dict[str, str], baseline: str | None = None) -> dict[str, dict[str, float]]:
     (work / "call.py").write_text(TRIVIAL_CALL)
     argv = [sys.executable, "call.py"]
@@ -198,6 +241,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds of the workload cases")
     parser.add_argument("--calls", type=int, default=5, help="timed rounds of the call cases")
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--retries", action="store_true",
+                        help="also time a second attempt (the first one fails at once): the cost per attempt")
     parser.add_argument("--baseline", help="a gpufleet source folder (a git worktree of another commit, say) "
                         "whose tracked cases run in the same rounds, for a before/after")  # fmt: skip
     args = parser.parse_args()
@@ -209,6 +254,7 @@ def main() -> None:
     try:
         workloads = run_workloads(args.rounds, work, env, args.baseline)
         calls = run_calls(args.calls, work, env, args.baseline)
+        retries = run_retries(args.rounds, work, env) if args.retries else {}
     finally:
         left = _leftovers(mark)
         for pid in left:
@@ -229,9 +275,16 @@ def main() -> None:
     print(f"\ntrivial @distributed call in a fresh interpreter, 2 CPU ranks ({args.calls} rounds):")
     for name, s in calls.items():
         print(f"{name:<16} {s['median']:6.2f} [{s['min']:.2f}-{s['max']:.2f}] {s['median'] - untracked:+6.2f}")
+    if retries:
+        before = workloads["torchrun"]["before"]["median"]
+        print(f"\nsecond attempt of a workload whose first one failed, from the attempt's start to its first rank "
+              f"({args.rounds} rounds; torchrun by hand: {before:.2f} s from launch to the first rank):")  # fmt: skip
+        for name, s in retries.items():
+            print(f"{name:<28} {s['median']:6.2f} [{s['min']:.2f}-{s['max']:.2f}] {s['median'] - before:+6.2f}")
     print(f"\nprocesses left behind: {len(left)}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"workloads": workloads, "calls": calls, "left": left}, indent=2))
+        Path(args.json).write_text(json.dumps({"workloads": workloads, "calls": calls, "retries": retries, "left": left},
+                                              indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":
