@@ -1,9 +1,10 @@
-"""Ranks waiting for their MLflow run import torch a few at a time, and stop waiting once it is open."""
+"""Tracking never takes CPU from the ranks it waits for: import slots, and background threads at a lower priority."""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -59,3 +60,21 @@ def test_with_more_cores_than_ranks_nobody_waits(tmp_path: Path, monkeypatch: py
         assert got == [True] * 7  # each took a slot of its own at once, beside rank 0
     finally:
         os.close(held)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread nice values are Linux's")
+def test_tracking_background_threads_yield_the_cpu_and_leave_the_rest_alone() -> None:
+    from gpufleet.tracking.runs import yield_cpu_to_training
+
+    seen: dict[str, int] = {}
+
+    def background() -> None:
+        yield_cpu_to_training()
+        seen["thread"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    t = threading.Thread(target=background)
+    t.start()
+    t.join(5)
+    assert seen["thread"] == min(19, before + 10)  # the tracking thread runs at a lower priority
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # the caller keeps its own

@@ -133,7 +133,8 @@ def yield_cpu_to_training() -> None:
     if not sys.platform.startswith("linux"):
         return
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 10))
     except OSError:
         pass
 
