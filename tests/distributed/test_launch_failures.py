@@ -133,17 +133,38 @@ def _hang():
     time.sleep(600)
 
 
+def _hang_saying_so():
+    # on stderr, the stream faulthandler dumps into: the line before the dump proves the rank
+    # was inside this function when its stack was taken
+    print(f"rank {runtime.get_global_rank()} entered _hang_saying_so", file=sys.stderr, flush=True)
+    time.sleep(600)
+
+
+_STACK_DUMP = "(most recent call first)"  # faulthandler's header of each thread's stack
+
+
 def test_a_hang_hits_the_timeout_and_every_rank_is_stopped_with_its_stack_logged():
-    fn = distributed(gpus=2, gpu_type="cpu", timeout=2, grace_period_s=1)(_hang)
+    # The timeout also covers the ranks' start-up: 8 s leaves a loaded machine ample time to
+    # reach the function, and what is asserted holds however far each rank got.
+    timeout = 8
+    fn = distributed(gpus=2, gpu_type="cpu", timeout=timeout, grace_period_s=1)(_hang_saying_so)
     t0 = time.monotonic()
     with pytest.raises(DistributedTimeoutError) as info:
         fn.distributed()
-    assert time.monotonic() - t0 < 15
+    elapsed = time.monotonic() - t0
+    assert timeout <= elapsed < timeout + 120  # it ran until the timeout, then was stopped (not 600 s)
     err = info.value
     assert isinstance(err, TimeoutError)
-    assert "timeout of 2 s" in str(err)
-    log = open(err.failures[0].log_path).read()
-    assert "_hang" in log  # faulthandler dumped the stack before the kill
+    assert "timeout of 8 s" in str(err)
+    assert sorted(err.failures) == [0, 1]  # every rank was stopped, and says why
+    for rank, failure in err.failures.items():
+        assert failure.kind == "stopped" and "still running at the timeout of 8 s" in failure.message
+        log = open(failure.log_path).read()
+        dump = log.find(_STACK_DUMP)
+        assert dump >= 0, f"rank {rank}: no stack dumped into its log:\n{log}"
+        entered = log.find(f"rank {rank} entered _hang_saying_so")
+        if 0 <= entered < dump:  # it was in the function when its stack was taken
+            assert "_hang_saying_so" in log[dump:], log
     assert not leftover_worker_processes()
 
 
