@@ -108,14 +108,17 @@ def test_nested_under_the_active_run(client: MlflowClient) -> None:
 
 
 def test_system_metrics_are_logged_even_for_a_short_run(client: MlflowClient) -> None:
+    memory = "system/system_memory_usage_megabytes"
     with start_tracked_run(_experiment(), "r", {}, system_metrics_interval_s=0.2) as run:
         import time
 
-        time.sleep(0.7)
+        deadline = time.monotonic() + 60  # a periodic sample is in (however slow the machine)
+        while not client.get_metric_history(run.run_id, memory) and time.monotonic() < deadline:
+            time.sleep(0.1)
     metrics = client.get_run(run.run_id).data.metrics
     assert "system/cpu_utilization_percentage" in metrics
     assert metrics["system/system_memory_usage_megabytes"] > 0
-    history = client.get_metric_history(run.run_id, "system/system_memory_usage_megabytes")
+    history = client.get_metric_history(run.run_id, memory)
     assert len(history) >= 2  # periodic samples plus the last one
 
 

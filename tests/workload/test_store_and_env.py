@@ -161,7 +161,7 @@ def test_cancel_while_dependencies_install_stops_pip_and_cancels(
         assert rc == 0, out + err
         run = wait_state(store, run_id, timeout=60)
         assert run.state == "CANCELED", (run.state, run.message, log.read_text()[-2000:])
-        assert time.monotonic() - t0 < 15
+        assert time.monotonic() - t0 < 90  # pip would have waited for the silent server 180 s
         assert "while its environment was being built" in (run.message or "")
         assert "stopped pip" in log.read_text()
         assert wait_no_processes(run_id) == []
