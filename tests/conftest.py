@@ -1,4 +1,5 @@
-"""Shared test set-up: a private GPUFLEET_HOME, offline hubs, and no process left behind."""
+"""Shared test set-up: a private GPUFLEET_HOME, offline hubs, no process left behind, and the
+tests of the recipes' separate environments last (scripts/test.sh builds those meanwhile)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,29 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ.setdefault("MLFLOW_TRACKING_URI", "sqlite:///" + os.path.join(os.environ["GPUFLEET_HOME"], "mlflow-test.db"))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def _recipe_env(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("recipe_env")
+    return marker.args[0] if marker else None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests of a recipe environment run after every other test, grouped by environment."""
+    order = {name: i for i, name in enumerate(dict.fromkeys(filter(None, map(_recipe_env, items))))}
+    items.sort(key=lambda item: -1 if _recipe_env(item) is None else order[_recipe_env(item)])
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Before a recipe environment's test, outside its timeout: wait for that environment's build."""
+    name = _recipe_env(item)
+    if name is not None:
+        from tests.recipes.nb import wait_for_build
+
+        reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+        wait_for_build(name, say=lambda text: reporter.write_line(text) if reporter else print(text))
+    yield
 
 
 @pytest.fixture(autouse=True)

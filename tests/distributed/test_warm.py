@@ -156,8 +156,10 @@ CALLER = textwrap.dedent("""
     import os, sys, time
     from gpufleet import distributed, runtime
 
-    def pid_then_wait(wait):
+    def pid_then_wait(wait, entered=None):
         import os, time
+        if entered:
+            open(entered + str(runtime.get_global_rank()), "w").close()
         time.sleep(wait)
         return os.getpid()
 
@@ -166,7 +168,7 @@ CALLER = textwrap.dedent("""
     if sys.argv[1] == "kill":
         os.kill(os.getpid(), 9)
     try:
-        f.distributed(60)
+        f.distributed(60, sys.argv[2])
     except KeyboardInterrupt:
         print("INTERRUPTED", flush=True)
 """)
@@ -178,17 +180,21 @@ def test_a_killed_or_interrupted_caller_leaves_no_warm_rank(tmp_path, how):
 
     script = tmp_path / "caller.py"
     script.write_text(CALLER)
-    proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, text=True,
+    entered = tmp_path / "entered-"
+    proc = subprocess.Popen([sys.executable, str(script), how, str(entered)], stdout=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))  # fmt: skip
     line = proc.stdout.readline()
     assert line.startswith("PIDS"), line
     ranks = [int(p) for p in line.split()[1:]]
     if how == "interrupt":
-        time.sleep(2.0)  # inside the second call
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"entered-{r}").exists() for r in (0, 1)):  # inside the second call
+            assert time.monotonic() < deadline and proc.poll() is None, "the second call never started"
+            time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         assert "INTERRUPTED" in proc.stdout.read()
-    proc.wait(timeout=30)
-    deadline = time.monotonic() + 15
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 60
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in ranks):
         assert time.monotonic() < deadline, f"warm ranks left after the caller was {how}ed"
         time.sleep(0.2)

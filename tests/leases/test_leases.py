@@ -99,7 +99,7 @@ def test_gpu_wait_expiry_names_the_holder(holders: Holders) -> None:
     start = time.monotonic()
     with pytest.raises(GPUUnavailableError) as info:
         acquire(GpuRequest(count=1, wait_s=0.5), Holder("run-late", "call"))
-    assert time.monotonic() - start < 3
+    assert 0.5 <= time.monotonic() - start < 30  # it waited the 0.5 s asked for, then gave up
     message = str(info.value)
     assert "run run-late could not get 1 GPU" in message
     assert f"GPU 0: run run-holding (call, pid {a.pid}, user " in message
@@ -143,6 +143,6 @@ def test_a_cancel_ends_the_wait(holders: Holders) -> None:
     threading.Timer(0.3, abort.set).start()
     start = time.monotonic()
     with pytest.raises(KeyError, match="canceled"):
-        acquire(GpuRequest(count=1, wait_s=30), Holder("run-canceled", "call"), abort=abort,
+        acquire(GpuRequest(count=1, wait_s=120), Holder("run-canceled", "call"), abort=abort,
                 canceled=lambda: KeyError("canceled"))  # fmt: skip
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 60  # the cancel ended the 120 s wait

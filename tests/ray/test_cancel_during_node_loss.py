@@ -22,7 +22,7 @@ def test_cancel_while_a_node_is_being_lost_returns_promptly(two_nodes, tmp_path)
     with pytest.raises(errors.RunCanceledError):
         handle.result(timeout=60)
     # about 2 s; it was 13 s here when the cancel waited for the cluster to mark the node dead
-    assert time.monotonic() - t0 < 8, f"cancel took {time.monotonic() - t0:.0f} s"
+    assert time.monotonic() - t0 < 11, f"cancel took {time.monotonic() - t0:.0f} s"
     assert handle.status == "CANCELED"
     deadline = time.monotonic() + 30
     while run_processes(handle.run_id):

@@ -242,7 +242,7 @@ def test_a_ray_driver_the_cluster_can_never_serve_gets_a_clear_error(two_nodes, 
         assert not isinstance(info.value, LaunchConfigError) and isinstance(info.value, TimeoutError)
     finally:
         executor.close()
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < 45  # the 1 s wait for room, not the 10 minutes of a real one
 
 
 def test_dependencies_reach_every_node(two_nodes, tmp_path: Path, monkeypatch, capsys) -> None:
@@ -271,7 +271,7 @@ def test_cancel_while_waiting_for_the_cluster_cancels_at_once(two_nodes, tmp_pat
     rc, out, err = cli(capsys, "cancel", run_id)
     assert rc == 0, out + err
     while cli_json(capsys, "get", run_id)["state"] in ("PENDING", "RUNNING"):
-        assert time.monotonic() - t0 < 20, "the cancel waited for the cluster"
+        assert time.monotonic() - t0 < 60, "the cancel waited for the cluster"
         time.sleep(0.5)
     run = cli_json(capsys, "get", run_id)
     assert run["state"] == "CANCELED" and "while waiting for 2 nodes" in run["message"], run

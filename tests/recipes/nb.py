@@ -7,6 +7,8 @@ import os
 import re
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +22,51 @@ def env_python(name: str) -> Path:
     return ENVS_ROOT / name / "bin" / "python"
 
 
+#: Where ``scripts/test.sh`` has the recipe environments built in the background: ``NAME.log``
+#: (the build's output) and, once the build ended, ``NAME.rc`` (its exit status).
+BUILD_LOGS_ENV = "GPUFLEET_RECIPE_ENV_LOGS"
+BUILD_WAIT_S = 3600.0
+
+
+def wait_for_build(name: str, say: Callable[[str], None] = print) -> None:
+    """Wait until the background build of environment ``name`` has ended (when one was started).
+
+    Called before the test starts (outside its timeout); :func:`require_env` then reports a
+    failed build with its log.
+    """
+    logs = os.environ.get(BUILD_LOGS_ENV)
+    if not logs or (Path(logs) / f"{name}.rc").exists():
+        return
+    say(f"waiting for the recipe environment '{name}' (building in the background: {Path(logs) / f'{name}.log'})")
+    started = time.monotonic()
+    deadline = started + BUILD_WAIT_S
+    while not (Path(logs) / f"{name}.rc").exists() and time.monotonic() < deadline:
+        time.sleep(1.0)
+    say(f"recipe environment '{name}': waited {time.monotonic() - started:.0f} s")
+
+
+def _build_failure(name: str) -> str | None:
+    """What went wrong with the background build of ``name``, if it failed or never ended."""
+    logs = os.environ.get(BUILD_LOGS_ENV)
+    if not logs:
+        return None
+    rc_file, log = Path(logs) / f"{name}.rc", Path(logs) / f"{name}.log"
+    tail = log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"
+    if not rc_file.exists():
+        return f"the build of recipe environment '{name}' did not end within {BUILD_WAIT_S:.0f} s:\n{tail}"
+    rc = rc_file.read_text().strip()
+    if rc != "0":
+        return f"the build of recipe environment '{name}' failed (exit {rc}); `bash scripts/recipe_env.sh {name}` rebuilds it:\n{tail}"
+    return None
+
+
 def require_env(name: str) -> Path:
     """Return the env's python; skip the test when it is missing and CI did not promise it."""
     import pytest
 
+    failure = _build_failure(name)
+    if failure:
+        pytest.fail(failure)
     python = env_python(name)
     if not python.exists():
         if os.environ.get("GPUFLEET_RECIPE_ENVS"):

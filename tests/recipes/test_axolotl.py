@@ -18,6 +18,7 @@ import pytest
 from tests.recipes.nb import RECIPES, REPO, require_env, run_notebook
 
 pytestmark = pytest.mark.slow
+needs_axolotl = pytest.mark.recipe_env("axolotl")
 
 RECIPE = RECIPES / "axolotl-qlora-ddp"
 CONFIG = RECIPE / "olmo2_7b_qlora.yml"
@@ -39,6 +40,7 @@ def _validate(python: Path, config: Path, model: Path, tmp_path: Path) -> subpro
     )
 
 
+@needs_axolotl
 def test_the_real_qlora_config_passes_axolotls_loader_and_a_broken_one_does_not(tmp_path: Path) -> None:
     python = require_env("axolotl")
     model = _tiny_olmo2(python, tmp_path / "olmo2")  # stands in for allenai/OLMo-2-1124-7B (no hub here)
@@ -55,6 +57,7 @@ def test_the_real_qlora_config_passes_axolotls_loader_and_a_broken_one_does_not(
     assert "INVALID" in proc.stderr and "Require cfg.load_in_4bit to be True for qlora" in proc.stderr
 
 
+@needs_axolotl
 def test_notebook_trains_lora_with_ddp_on_two_cpu_workers(tmp_path: Path) -> None:
     python = require_env("axolotl")
     results = run_notebook("axolotl-qlora-ddp/axolotl_qlora_ddp.ipynb", tmp_path, python=python, timeout=240)

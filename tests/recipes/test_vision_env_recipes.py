@@ -17,6 +17,7 @@ import pytest
 from tests.recipes.nb import RECIPES, env_python, require_env, run_notebook
 
 pytestmark = pytest.mark.slow
+needs_vision = pytest.mark.recipe_env("vision")
 
 RETINANET = "pytorch-ddp-retinanet/pytorch_ddp_retinanet.ipynb"
 UNSLOTH = "unsloth-lora-sft-ddp/unsloth_lora_sft_ddp.ipynb"
@@ -34,6 +35,7 @@ def _failing_notebook(notebook: str, tmp_path: Path, python: Path, env: dict[str
     return str(failed.value)
 
 
+@needs_vision
 def test_retinanet_trains_with_ddp_on_a_coco_folder(tmp_path: Path) -> None:
     python = require_env("vision")
     results = run_notebook(RETINANET, tmp_path, python=python, timeout=240)
@@ -54,6 +56,7 @@ def test_retinanet_trains_with_ddp_on_a_coco_folder(tmp_path: Path) -> None:
     assert inference["image"] == "000001.jpg" and inference["boxes"][1:] == [4]
 
 
+@needs_vision
 def test_retinanet_starts_from_a_local_backbone_file(tmp_path: Path) -> None:
     python = require_env("vision")
     backbone = tmp_path / "resnet50.pth"
@@ -71,6 +74,7 @@ def test_retinanet_starts_from_a_local_backbone_file(tmp_path: Path) -> None:
     assert results[0]["trainable_parameters"] == full - batchnorm
 
 
+@needs_vision
 def test_retinanet_refuses_a_weights_file_of_another_model(tmp_path: Path) -> None:
     python = require_env("vision")
     wrong = tmp_path / "mobilenet.pth"
@@ -80,6 +84,7 @@ def test_retinanet_refuses_a_weights_file_of_another_model(tmp_path: Path) -> No
     assert "does not fit" in message and "mobilenet.pth" in message
 
 
+@needs_vision
 def test_unsloth_lora_sft_trains_with_ddp_and_saves_an_adapter(tmp_path: Path) -> None:
     python = require_env("vision")
     results = run_notebook(UNSLOTH, tmp_path, python=python, timeout=240)
@@ -96,6 +101,7 @@ def test_unsloth_lora_sft_trains_with_ddp_and_saves_an_adapter(tmp_path: Path) -
     assert set(adapter["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
+@needs_vision
 def test_unsloth_reports_a_missing_model_folder(tmp_path: Path) -> None:
     python = require_env("vision")
     missing = tmp_path / "no-such-model"

@@ -127,6 +127,7 @@ def test_workload_smoke_runs_on_two_cpu_workers(name: str, tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.recipe_env("vision")
 def test_ray_train_resnet50_smoke_in_the_vision_environment(tmp_path: Path) -> None:
     python = require_env("vision")
     subprocess.run([str(python), "-c", f"import sys; sys.path.insert(0, {str(RECIPES)!r}); "

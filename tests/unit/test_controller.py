@@ -74,6 +74,7 @@ class FakeGroup(WorkerGroup):
         if self.start_error is not None:
             raise self.start_error
         self.started = True
+        self.started_at = self.clock.now
 
     def _status(self) -> GroupStatus:
         return GroupStatus(self.spec.world_size, dict(self.results), dict(self.failures))
@@ -228,6 +229,20 @@ def test_retry_with_time_left_runs_a_new_attempt(tmp_path):
     assert c.run() == ["a", "b"]
     assert len(groups) == 2 and groups[0].run_id != groups[1].run_id
     assert [e for e in rec.events if e[0] == "end"] == [("end", 0, "FAILED", "WorkerExitError"), ("end", 1, "SUCCESS", None)]
+
+
+def test_a_calls_timeout_covers_its_retries(tmp_path):
+    """The retry gets what the first attempt left of the call's timeout, not a timeout of its own."""
+    def fails_after_4_s(tmp_path, clock):
+        return FakeGroup(tmp_path, clock, [[]] * 200 + [[exited(0, 1, t=1.0), exited(1, 1, t=1.0)]])
+
+    c, groups, clock = make(tmp_path, [fails_after_4_s, []], max_retries=3, timeout_s=8.0)
+    start = clock.now
+    with pytest.raises(DistributedTimeoutError, match="ran past its timeout of 8 s"):
+        c.run()
+    assert len(groups) == 2 and c.state == TIMEDOUT
+    assert 4.0 <= groups[1].started_at - start and groups[1].stops[0][2]  # the retry, stopped with its stacks
+    assert 8.0 <= clock.now - start < 8.5  # a deadline per attempt would have ended it at about 12 s
 
 
 def test_retry_refused_with_under_a_second_left(tmp_path, caplog):

@@ -36,7 +36,7 @@ def test_a_rank_waiting_for_a_slot_goes_on_once_the_run_is_open(tmp_path: Path, 
     time.sleep(0.3)
     assert waiting.is_alive() and got == []  # the run is not open yet: it waits for the slot
     late.write_text("{}")  # the caller opened the run
-    waiting.join(5)
+    waiting.join(60)
     assert got == [False]  # it went on without importing beside rank 0
     os.close(importing)
     with worker._import_slot(RunDir(tmp_path), 1, str(tmp_path / "not-yet.json"), must=False) as slot:
@@ -56,7 +56,7 @@ def test_with_more_cores_than_ranks_nobody_waits(tmp_path: Path, monkeypatch: py
     try:
         others = threading.Thread(target=ranks, daemon=True)
         others.start()
-        others.join(5)
+        others.join(60)
         assert got == [True] * 7  # each took a slot of its own at once, beside rank 0
     finally:
         os.close(held)

@@ -23,7 +23,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     store = RunStore(h)
     leftovers = {}
     for run in store.list(states=None, limit=None):
-        left = wait_no_processes(run.id, timeout=15)
+        left = wait_no_processes(run.id)
         if left:
             leftovers[run.id] = [(p.pid, p.cmdline()) for p in left]
             kill_run_processes(run.id, grace_period_s=0.5)

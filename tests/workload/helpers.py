@@ -42,7 +42,7 @@ def cli_process(*argv: str, env: dict[str, str] | None = None, timeout: float = 
     )  # fmt: skip
 
 
-def wait_state(store: RunStore, run_id: str, states: tuple[str, ...] = TERMINAL_STATES, timeout: float = 60) -> Any:
+def wait_state(store: RunStore, run_id: str, states: tuple[str, ...] = TERMINAL_STATES, timeout: float = 120) -> Any:
     """Poll the store until the run is in one of ``states``."""
     deadline = time.monotonic() + timeout
     while True:
@@ -64,7 +64,7 @@ def wait_for_text(path: Path, text: str, timeout: float = 60) -> None:
     raise AssertionError(f"{text!r} never appeared in {path}")
 
 
-def wait_no_processes(run_id: str, timeout: float = 15) -> list[Any]:
+def wait_no_processes(run_id: str, timeout: float = 30) -> list[Any]:
     """Wait until no process of the run is alive; returns what is left after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:

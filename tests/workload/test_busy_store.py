@@ -42,12 +42,12 @@ def test_a_run_that_ends_while_the_store_is_locked_still_succeeds(
         assert store.get(run_id).state == "RUNNING"  # the store could not learn it yet
         # a read shows the outcome at once, from the run's folder
         t0 = time.monotonic()
-        shown = cli_process("get", run_id, "-o", "json", env={"GPUFLEET_STORE_WAIT_S": "20"}, timeout=60)
+        shown = cli_process("get", run_id, "-o", "json", env={"GPUFLEET_STORE_WAIT_S": "90"}, timeout=120)
         assert shown.returncode == 0, shown.stderr
-        assert time.monotonic() - t0 < 15
+        assert "busy" not in shown.stderr and time.monotonic() - t0 < 60  # it did not wait the 90 s
         got = json.loads(shown.stdout)
         assert got["state"] == "SUCCESS" and got["exit_code"] == 0, got
-        listed = cli_process("list", "--all-status", "-o", "json", env={"GPUFLEET_STORE_WAIT_S": "20"}, timeout=60)
+        listed = cli_process("list", "--all-status", "-o", "json", env={"GPUFLEET_STORE_WAIT_S": "90"}, timeout=120)
         assert listed.returncode == 0 and json.loads(listed.stdout)[0]["state"] == "SUCCESS", listed.stderr
         wait_for_text(run_dir / "supervisor.log", "could not record the outcome in the run store yet")
         time.sleep(2.5)  # longer than the supervisor's wait for one write
@@ -71,12 +71,11 @@ def test_reads_go_on_while_another_process_writes(
     assert rc == 0, out + err
     run_id = out.splitlines()[0]
     with store_locked(home, WRITES):
-        t0 = time.monotonic()
         for argv in (["list", "--all-status"], ["get", run_id], ["logs", run_id]):
-            done = cli_process(*argv, env={"GPUFLEET_STORE_WAIT_S": "20"}, timeout=60)
+            t0 = time.monotonic()
+            done = cli_process(*argv, env={"GPUFLEET_STORE_WAIT_S": "90"}, timeout=120)
             assert done.returncode == 0, done.stderr
-            assert "busy" not in done.stderr
-        assert time.monotonic() - t0 < 15
+            assert "busy" not in done.stderr and time.monotonic() - t0 < 60  # it did not wait the 90 s
     assert wait_no_processes(run_id) == []
 
 
@@ -91,6 +90,6 @@ def test_list_waits_for_a_locked_store_then_says_so(home: Path, store: RunStore)
     lines = done.stderr.splitlines()
     assert lines[0] == "gpufleet: the run store is busy (locked by another process); waiting up to 1.5 s...", lines
     assert len(lines) == 2 and lines[1].startswith("error: the run store ") and "stayed busy" in lines[1], lines
-    assert 1.5 <= took < 15
+    assert 1.5 <= took < 45  # it gave up after the 1.5 s asked for (it used to hang 60 s)
     # and once the lock is gone, it answers
     assert cli_process("list").returncode == 0

@@ -97,8 +97,8 @@ def test_a_cancel_from_another_process_ends_the_call_with_run_canceled_error(sto
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads(done.stdout)[0]["state"] == "CANCELED"
     with pytest.raises(RunCanceledError, match="canceled with `gpufleet cancel`"):
-        handle.result(30)
-    assert time.monotonic() - start < 15
+        handle.result(60)
+    assert time.monotonic() - start < 45  # the call sleeps 60 s: it was stopped, not waited for
     assert store.get(handle.run_id).state == "CANCELED"
     assert wait_no_processes(handle.run_id) == []
 

@@ -116,8 +116,8 @@ def test_cancel_mid_run_stops_every_process(project: Path, store: RunStore, caps
     t0 = time.monotonic()
     result = cli_json(capsys, "cancel", run_id)
     assert result == [{"id": run_id, "state": "CANCELED", "canceled": True}]
-    assert time.monotonic() - t0 < 20
-    assert wait_no_processes(run_id, timeout=5) == []
+    assert time.monotonic() - t0 < 60  # the job sleeps 120 s: it was stopped, not waited for
+    assert wait_no_processes(run_id) == []
     final = store.get(run_id)
     assert final.state == "CANCELED" and final.attempts[0].state == "CANCELED"
     # canceling again says so and changes nothing
@@ -169,11 +169,11 @@ def test_timeout_marks_timedout_and_stops_processes(tmp_path: Path, store: RunSt
     t0 = time.monotonic()
     rc, out, err = cli(capsys, "run", "-f", str(wl), "--watch", "--no-tracking")
     assert rc == 124, err
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 150  # the job sleeps 300 s: the 1.8 s timeout stopped it
     run_id = out.splitlines()[0]
     run = store.get(run_id)
     assert run.state == "TIMEDOUT" and "timeout_minutes=0.03" in run.message
-    assert wait_no_processes(run_id, timeout=5) == []
+    assert wait_no_processes(run_id) == []
 
 
 def test_idempotent_resubmit_returns_the_same_run(tmp_path: Path, store: RunStore, capsys: pytest.CaptureFixture[str]) -> None:
@@ -213,14 +213,14 @@ def test_concurrent_cli_processes_share_the_store(tmp_path: Path, home: Path) ->
 
 
 def test_run_returns_at_once_and_outlives_the_cli(tmp_path: Path, home: Path) -> None:
-    wl = write_workload(tmp_path, command="sleep 3; echo finished")
-    t0 = time.monotonic()
+    go = tmp_path / "go"  # the job ends only once the test says so, after the CLI has returned
+    wl = write_workload(tmp_path, command=f"while [ ! -e {go} ]; do sleep 0.1; done; echo finished")
     proc = cli_process("run", "-f", str(wl), "--no-tracking", "--home", str(home))
     assert proc.returncode == 0, proc.stderr
-    assert time.monotonic() - t0 < 10
     run_id = proc.stdout.strip()
     store = RunStore(home)
     assert store.get(run_id).state in ("PENDING", "RUNNING")
+    go.touch()
     run = wait_state(store, run_id)
     assert run.state == "SUCCESS"
     logs = cli_process("logs", run_id, "--home", str(home))
@@ -235,7 +235,7 @@ def test_killed_supervisor_leaves_run_failed_and_nothing_running(tmp_path: Path,
     wait_for_text(Path(run.run_dir) / "attempts" / "1" / "node-0.log", "up")
     os.kill(run.supervisor_pid, signal.SIGKILL)
     # the node's guard notices on its own, without anyone reading the store
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(wait_no_processes(run_id, timeout=0)) > 0:
         time.sleep(0.2)
     assert wait_no_processes(run_id, timeout=0) == []

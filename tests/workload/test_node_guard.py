@@ -49,7 +49,7 @@ def test_the_node_command_stops_when_its_actor_process_is_killed(tmp_path: Path)
         assert sleeper.is_running()
         actor.send_signal(signal.SIGKILL)  # as when Ray kills the actor or its raylet dies
         actor.wait()
-        gone, alive = psutil.wait_procs([sleeper], timeout=10)
+        gone, alive = psutil.wait_procs([sleeper], timeout=60)
         assert not alive, "the node's command kept running after its actor was killed"
     finally:
         actor.kill()

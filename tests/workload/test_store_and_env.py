@@ -38,7 +38,7 @@ def test_runs_whose_supervisor_is_gone_are_failed_when_a_command_reads_them(stor
             heartbeat_at=time.time())  # fmt: skip
     _record(store, "r-never", created_at=time.time() - 3600)
     _record(store, "r-young")  # just submitted: its supervisor may still be starting
-    alive = subprocess.Popen(["sleep", "30"])
+    alive = subprocess.Popen(["sleep", "120"])
     try:
         import psutil
 
@@ -51,7 +51,7 @@ def test_runs_whose_supervisor_is_gone_are_failed_when_a_command_reads_them(stor
         assert get_run(store, "r-young").state == PENDING
         stale = get_run(store, "r-stale")
         assert stale.state == "FAILED" and "no heartbeat" in stale.message
-        assert alive.wait(timeout=10) == -9  # the hung supervisor was killed
+        assert alive.wait(timeout=60) == -9  # the hung supervisor was killed
         assert [r.id for r in list_runs(store)] == ["r-young"]
     finally:
         alive.kill()
@@ -161,7 +161,7 @@ def test_cancel_while_dependencies_install_stops_pip_and_cancels(
         assert rc == 0, out + err
         run = wait_state(store, run_id, timeout=60)
         assert run.state == "CANCELED", (run.state, run.message, log.read_text()[-2000:])
-        assert time.monotonic() - t0 < 15
+        assert time.monotonic() - t0 < 90  # pip would have waited for the silent server 180 s
         assert "while its environment was being built" in (run.message or "")
         assert "stopped pip" in log.read_text()
         assert wait_no_processes(run_id) == []
