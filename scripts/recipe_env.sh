@@ -5,8 +5,11 @@
 #
 # The environment goes to ${GPUFLEET_RECIPE_ENVS_DIR:-.venvs}/NAME with gpufleet installed
 # editable plus the pinned requirements. A stamp file holding the requirements' hash makes a
-# second call a no-op; a changed requirements file rebuilds it.
+# second call a no-op (it says which torch build the environment has); a changed requirements
+# file rebuilds it. Without an NVIDIA GPU torch and torchvision are CPU builds where PyTorch's CPU
+# index can be reached (scripts/torch_build.py); the build taken is said either way.
 set -euo pipefail
+. "$(dirname "$0")/pip_install.sh"
 
 name="${1:?usage: scripts/recipe_env.sh NAME (one of: $(ls "$(dirname "$0")/../recipes/envs" | sed 's/\.txt$//' | tr '\n' ' '))}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -20,6 +23,7 @@ stamp="$env_dir/.gpufleet-recipe-env-$hash"
 
 if [ -f "$stamp" ]; then
   echo "recipe_env: $env_dir is up to date ($hash)"
+  PIP_INSTALL_PREFIX="recipe_env: " say_torch_build "$env_dir/bin/python" "$env_dir/pip-install-report.json"
   exit 0
 fi
 start=$(date +%s)
@@ -28,7 +32,8 @@ rm -rf "$env_dir"
 mkdir -p "$root"
 "$python" -m venv "$env_dir"
 "$env_dir/bin/pip" install --quiet --upgrade pip
-# One resolve for everything, so pip never swaps torch for a CUDA build behind our back.
-"$env_dir/bin/pip" install --quiet -r "$reqs" -e "$repo"
+# One resolve for everything, so pip never swaps torch for a CUDA build behind our back; without
+# an NVIDIA GPU it takes CPU builds of torch and torchvision (scripts/pip_install.sh).
+PIP_INSTALL_PREFIX="recipe_env: " pip_install "$env_dir/bin/python" "$env_dir/pip-install.log" -r "$reqs" -e "$repo"
 touch "$stamp"
 echo "recipe_env: $name ready in $(( $(date +%s) - start ))s ($(du -sh "$env_dir" | cut -f1))"

@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q -e ".[all,test]"
+. scripts/pip_install.sh  # CPU builds of torch without an NVIDIA GPU; says which build it took
+pip_install .venv/bin/python .venv/test-install.log -e ".[all,test]"
 build_recipe_envs() {  # each environment's output in LOGS/NAME.log, its exit status in LOGS/NAME.rc
   for env_name in $(ls recipes/envs 2>/dev/null | sed -n 's/\.txt$//p'); do
     local status=0

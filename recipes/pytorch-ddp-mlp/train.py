@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -122,7 +124,18 @@ def print_where(handle, num_ranks: int) -> None:
         return
     uri = os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
     print(f"MLflow run: {handle.mlflow_run_id} (rank 0's loss as metric 'loss'); to look at it:")
-    print(f"  {ui_command(uri) or server_address(uri) or uri}")  # a local store's `mlflow ui`, or the server
+    command = ui_command(uri)
+    print(f"  {_in_any_shell(command) if command else server_address(uri) or uri}")  # `mlflow ui`, or the server
+
+
+def _in_any_shell(command: str) -> str:
+    """``command`` with its program by absolute path when it is this virtual environment's: it then runs
+    from any shell, also one where the environment is not activated (``scripts/demo.sh`` activates nothing)."""
+    program, _, rest = command.partition(" ")
+    own = Path(sys.executable).parent / program
+    if sys.prefix != sys.base_prefix and own.is_file():
+        return f"{shlex.quote(str(own))} {rest}"
+    return command
 
 
 if __name__ == "__main__":

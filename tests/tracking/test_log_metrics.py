@@ -77,7 +77,7 @@ def test_the_mlp_recipe_logs_its_loss_and_says_where_everything_is(tmp_path: Pat
     assert f"rank 0 log: {run_dir / 'rank-0.log'}\nrank 1 log: {run_dir / 'rank-1.log'}\n" in out
     assert (run_dir / "rank-1.log").exists()
     uri = f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}"
-    assert f"  mlflow ui --backend-store-uri {uri}\n" in out
+    assert f"  {Path(sys.executable).parent / 'mlflow'} ui --backend-store-uri {uri}\n" in out  # runs unactivated
     mlflow_run = re.search(r"^MLflow run: (\w+)", out, re.M).group(1)  # type: ignore[union-attr]
     history = MlflowClient(uri).get_metric_history(mlflow_run, "loss")
     assert [m.step for m in history] == [0, 1, 2] and history[-1].value < history[0].value
