@@ -204,3 +204,24 @@ def test_warm_ranks_keep_their_gpus_while_idle_and_give_them_back(store: RunStor
     finally:
         warm.shutdown()
     assert all(u.free for u in gpu_uses())
+
+
+@distributed(gpus=2, gpu_type="cpu", stream_logs=False)
+def says_its_rank() -> None:
+    import os
+
+    print(f"hello from rank {os.environ['RANK']}", flush=True)
+
+
+def test_logs_of_a_call_take_rank_and_prefix_lines_as_follow_does(store: RunStore, capsys: pytest.CaptureFixture[str]) -> None:
+    handle = says_its_rank.submit()
+    handle.result(120)
+    code, out, err = cli(capsys, "logs", handle.run_id, "--rank", "1")
+    assert (code, out) == (0, "hello from rank 1\n"), err  # one rank asked for: its lines as they are
+    code, out, err = cli(capsys, "logs", handle.run_id)
+    assert code == 0, err
+    assert out.splitlines() == ["[rank 0] hello from rank 0", "[rank 1] hello from rank 1"]
+    code, out, err = cli(capsys, "logs", handle.run_id, "--follow")  # a finished call: the same lines
+    assert code == 0 and out.splitlines() == ["[rank 0] hello from rank 0", "[rank 1] hello from rank 1"], err
+    code, _, err = cli(capsys, "logs", handle.run_id, "--rank", "2")
+    assert code == 2 and "ranks 0..1" in err
