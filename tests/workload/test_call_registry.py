@@ -225,3 +225,31 @@ def test_logs_of_a_call_take_rank_and_prefix_lines_as_follow_does(store: RunStor
     assert code == 0 and out.splitlines() == ["[rank 0] hello from rank 0", "[rank 1] hello from rank 1"], err
     code, _, err = cli(capsys, "logs", handle.run_id, "--rank", "2")
     assert code == 2 and "ranks 0..1" in err
+
+
+@distributed(gpus=2, gpu_type="cpu", stream_logs=False, secrets={"API_TOKEN": {"env": "GF_TEST_CALL_TOKEN"}})
+def rank_one_refuses_its_token() -> None:
+    import os
+
+    print("starting", flush=True)
+    if os.environ["RANK"] == "1":
+        raise PermissionError(f"token {os.environ['API_TOKEN']} was refused")
+
+
+def test_a_failed_rank_log_ends_with_its_traceback_secrets_masked(
+    store: RunStore, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GF_TEST_CALL_TOKEN", "s3cr3t-t0ken-value")
+    handle = rank_one_refuses_its_token.submit()
+    with pytest.raises(PermissionError):
+        handle.result(120)
+    code, out, err = cli(capsys, "logs", handle.run_id, "--rank", "1")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "starting" and "gpufleet: rank 1 failed with PermissionError" in out
+    assert "Traceback (most recent call last):" in out and "rank_one_refuses_its_token" in out
+    assert lines[-1] == "PermissionError: token *** was refused"
+    assert "s3cr3t-t0ken-value" not in out
+    assert Path(handle.run_dir, "rank-1.log").read_text().splitlines()[-1] == lines[-1]
+    code, out, _ = cli(capsys, "logs", handle.run_id, "--rank", "0")  # rank 0 did not fail
+    assert code == 0 and "Traceback" not in out
