@@ -270,6 +270,9 @@ class DistributedFunction:
             from .launch.local import LocalPlacement, LocalWorkerGroup
 
             found = resolve_local(opts.gpus, opts.gpu_type)
+            from .faults import check_fit
+
+            check_fit(opts.faults, found.num_workers, None)  # gpus=None: every GPU here, known now
             lease = call_gpu_request(opts.gpus, opts.gpu_wait, opts.timeout, found.use_gpus)  # GPUs taken at start
             placement = LocalPlacement(found.use_gpus, tuple(found.gpu_indices), gpu_request=lease)
 

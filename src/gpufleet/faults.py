@@ -13,12 +13,17 @@ Spec strings (the CLI form) are ``ACTION[:key=value...]``, e.g. ``kill:rank=1:st
 
 from __future__ import annotations
 
+import contextlib
+import importlib.abc
+import importlib.util
 import json
+import math
 import os
 import signal
+import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -28,7 +33,7 @@ from .errors import LaunchConfigError
 FAULTS_ENV = "GPUFLEET_FAULTS"
 ACTIONS = ("kill", "hang", "exit", "slow")
 
-__all__ = ["FAULTS_ENV", "Fault", "parse_faults", "faults_env"]
+__all__ = ["FAULTS_ENV", "Fault", "check_fit", "fault_problems", "faults_env", "fit_problems", "parse_faults"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ class Fault:
         rank: the global rank it hits; None: every rank.
         step: when the rank's step count reaches this (not for ``slow``).
         after: seconds after the rank started (not for ``slow``).
-        code: the exit code of ``exit``.
+        code: the exit code of ``exit`` (0 to 255).
         factor: how much slower ``slow`` makes each step.
         attempt: the attempt it hits (1: the first; a retry then runs without it); None: every attempt.
     """
@@ -56,60 +61,165 @@ class Fault:
     attempt: int | None = 1
 
     def check(self) -> Fault:
-        """Refuse a fault that could never fire or makes no sense, saying why."""
-        if self.action not in ACTIONS:
-            raise LaunchConfigError(f"fault action {self.action!r} is not one of {', '.join(ACTIONS)}")
-        if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 0):
-            raise LaunchConfigError(f"fault rank must be an integer >= 0, got {self.rank!r}")
-        if self.attempt is not None and (not isinstance(self.attempt, int) or self.attempt < 1):
-            raise LaunchConfigError(f"fault attempt must be an integer >= 1 (1: the first), got {self.attempt!r}")
-        if self.action == "slow":
-            if not isinstance(self.factor, (int, float)) or self.factor < 1:
-                raise LaunchConfigError(f"a slow fault needs factor >= 1, got {self.factor!r}")
-            return self
-        if (self.step is None) == (self.after is None):
-            raise LaunchConfigError(f"a {self.action} fault needs exactly one of step=N or after=SECONDS")
-        if self.step is not None and (not isinstance(self.step, int) or self.step < 1):
-            raise LaunchConfigError(f"fault step must be an integer >= 1, got {self.step!r}")
-        if self.after is not None and (not isinstance(self.after, (int, float)) or self.after < 0):
-            raise LaunchConfigError(f"fault after must be a number of seconds >= 0, got {self.after!r}")
+        """Refuse a fault that could never fire or makes no sense, saying why (every problem at once)."""
+        problems = _problems(asdict(self), given=None)
+        if problems:
+            raise LaunchConfigError(f"fault {self.describe()}: " + "; ".join(problems))
         return self
+
+    def describe(self) -> str:
+        """The fault in its spec-string form, e.g. ``'kill:rank=1:step=30'``."""
+        parts = [str(self.action)]
+        for key in _KEYS_OF.get(self.action, ()):
+            value = getattr(self, key)
+            if key == "attempt":
+                if value != 1:
+                    parts.append(f"attempt={'all' if value is None else value}")
+            elif value is not None and not (key == "code" and value == 1) and not (key == "factor" and value == 2.0):
+                parts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
+        return repr(":".join(parts))
 
 
 _KEYS = {"rank": int, "step": int, "after": float, "code": int, "factor": float, "attempt": int}
+#: The keys each action takes.
+_KEYS_OF = {
+    "kill": ("rank", "step", "after", "attempt"),
+    "hang": ("rank", "step", "after", "attempt"),
+    "exit": ("rank", "step", "after", "code", "attempt"),
+    "slow": ("rank", "factor", "attempt"),
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _problems(fields: Mapping[str, Any], given: Iterable[str] | None) -> list[str]:
+    """Everything wrong with a fault's fields (``given``: the keys the user wrote, checked against
+    what the action takes; None for a whole :class:`Fault`)."""
+    action = fields.get("action")
+    if action not in ACTIONS:
+        return [f"action {action!r} is not one of {', '.join(ACTIONS)}"]
+    out = []
+    if given is not None:
+        extra = [k for k in given if k != "action" and k not in _KEYS_OF[action]]
+        if extra:
+            out.append(f"{action} takes no {', '.join(extra)} (it takes {', '.join(_KEYS_OF[action])})")
+    rank, step, after = fields.get("rank"), fields.get("step"), fields.get("after")
+    code, factor, attempt = fields.get("code", 1), fields.get("factor", 2.0), fields.get("attempt", 1)
+    if rank is not None and (not _is_int(rank) or rank < 0):
+        out.append(f"rank must be an integer >= 0 (a global rank), got {rank!r}")
+    if attempt is not None and (not _is_int(attempt) or attempt < 1):
+        out.append(f"attempt must be an integer >= 1 (1: the first), got {attempt!r}")
+    if action == "slow":
+        if not _is_number(factor) or not math.isfinite(factor) or factor < 1:
+            out.append(f"a slow fault needs a finite factor >= 1 (how many times as long each step takes), got {factor!r}")
+        return out
+    if (step is None) == (after is None):
+        out.append(f"a {action} fault needs exactly one of step=N or after=SECONDS")
+    if step is not None and (not _is_int(step) or step < 1):
+        out.append(f"step must be an integer >= 1, got {step!r}")
+    if after is not None and (not _is_number(after) or not math.isfinite(after) or after < 0):
+        out.append(f"after must be a finite number of seconds >= 0, got {after!r}")
+    if action == "exit" and (not _is_int(code) or not 0 <= code <= 255):
+        out.append(f"code must be an exit code from 0 to 255 (a process cannot exit with another), got {code!r}")
+    return out
+
+
+def _fields_of(spec: str | Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The fields a spec string or dict gives, and what is wrong with its form."""
+    if isinstance(spec, Mapping):
+        unknown = sorted(str(k) for k in set(spec) - {"action", *_KEYS})
+        if unknown or "action" not in spec:
+            return {}, [f"a fault is a dict with 'action' and some of {', '.join(_KEYS)}; got {dict(spec)!r}"]
+        return dict(spec), []
+    if not isinstance(spec, str) or not spec.strip():
+        return {}, [f"a fault is 'ACTION[:key=value...]' such as 'kill:rank=1:step=30', got {spec!r}"]
+    action, *parts = spec.strip().split(":")
+    fields: dict[str, Any] = {"action": action}
+    problems = []
+    for part in parts:
+        key, _, value = part.partition("=")
+        if key not in _KEYS or not value:
+            problems.append(f"{part!r} is not key=value with a key among {', '.join(_KEYS)}")
+        elif key in fields:
+            problems.append(f"{key} is given twice")
+        elif key == "attempt" and value in ("all", "every"):
+            fields[key] = None
+        else:
+            try:
+                fields[key] = _KEYS[key](value)
+            except ValueError:
+                kind = "an integer" if _KEYS[key] is int else "a number"
+                problems.append(f"{key}={value!r} is not {kind}")
+    return fields, problems
+
+
+def _check_one(spec: str | Mapping[str, Any] | Fault) -> tuple[Fault | None, list[str]]:
+    """The fault, or None and its problems (one line naming the fault, every problem in it)."""
+    if isinstance(spec, Fault):
+        problems = _problems(asdict(spec), given=None)
+        return (None if problems else spec), ([f"fault {spec.describe()}: " + "; ".join(problems)] if problems else [])
+    fields, problems = _fields_of(spec)
+    if fields and not problems:
+        problems = _problems(fields, given=fields)
+    name = repr(spec) if isinstance(spec, str) else repr(dict(spec)) if isinstance(spec, Mapping) else repr(spec)
+    if problems:
+        return None, [f"fault {name}: " + "; ".join(problems)]
+    return Fault(**fields), []
 
 
 def parse_fault(spec: str | Mapping[str, Any] | Fault) -> Fault:
     """A checked :class:`Fault` from ``"kill:rank=1:step=30"``, a dict or a Fault."""
-    if isinstance(spec, Fault):
-        return spec.check()
-    if isinstance(spec, Mapping):
-        unknown = set(spec) - {"action", *_KEYS}
-        if unknown or "action" not in spec:
-            raise LaunchConfigError(f"a fault is a dict with 'action' and some of {', '.join(_KEYS)}; got {dict(spec)!r}")
-        return Fault(**dict(spec)).check()
-    if not isinstance(spec, str) or not spec.strip():
-        raise LaunchConfigError(f"a fault is 'ACTION[:key=value...]' such as 'kill:rank=1:step=30', got {spec!r}")
-    action, *parts = spec.strip().split(":")
-    fields: dict[str, Any] = {"action": action}
-    for part in parts:
-        key, _, value = part.partition("=")
-        if key not in _KEYS or not value:
-            raise LaunchConfigError(f"fault {spec!r}: {part!r} is not key=value with a key among {', '.join(_KEYS)}")
-        try:
-            fields[key] = _KEYS[key](value)
-        except ValueError:
-            raise LaunchConfigError(f"fault {spec!r}: {key}={value!r} is not a number") from None
-    return Fault(**fields).check()
+    fault, problems = _check_one(spec)
+    if problems:
+        raise LaunchConfigError("; ".join(problems))
+    assert fault is not None
+    return fault
+
+
+def fault_problems(specs: Iterable[str | Mapping[str, Any] | Fault]) -> list[tuple[int, str]]:
+    """``(index, problems)`` of each fault of a list that is wrong, every problem named (empty: all are valid)."""
+    return [(i, p) for i, spec in enumerate(specs) for p in _check_one(spec)[1]]
 
 
 def parse_faults(specs: Iterable[str | Mapping[str, Any] | Fault] | str | None) -> tuple[Fault, ...]:
-    """Checked faults from a list (or one spec string, or None)."""
+    """Checked faults from a list (or one spec string, or None); every problem is reported at once."""
     if specs is None:
         return ()
     if isinstance(specs, (str, Mapping, Fault)):
         specs = [specs]
+    specs = list(specs)
+    problems = fault_problems(specs)
+    if problems:
+        raise LaunchConfigError("; ".join(p for _, p in problems))
     return tuple(parse_fault(s) for s in specs)
+
+
+def fit_problems(faults: Iterable[Fault], world_size: int | None, max_attempts: int | None) -> list[tuple[int, str]]:
+    """``(index, problem)`` of each fault that could never fire in a run of ``world_size`` ranks
+    and at most ``max_attempts`` attempts (None: not known yet)."""
+    out = []
+    for i, f in enumerate(faults):
+        if world_size is not None and f.rank is not None and f.rank >= world_size:
+            out.append((i, f"fault {f.describe()}: rank {f.rank} does not exist: the run has {world_size} "
+                           f"rank{'s' if world_size != 1 else ''} (0..{world_size - 1})"))  # fmt: skip
+        if max_attempts is not None and f.attempt is not None and f.attempt > max_attempts:
+            out.append((i, f"fault {f.describe()}: attempt {f.attempt} never runs: the run makes at most "
+                           f"{max_attempts} attempt{'s' if max_attempts != 1 else ''} (max_retries={max_attempts - 1}); "
+                           f"set max_retries to {f.attempt - 1} or more"))  # fmt: skip
+    return out
+
+
+def check_fit(faults: Iterable[Fault], world_size: int | None, max_attempts: int | None) -> None:
+    """Refuse, before launch, faults that could never fire in this run (see :func:`fit_problems`)."""
+    problems = fit_problems(faults, world_size, max_attempts)
+    if problems:
+        raise LaunchConfigError("; ".join(p for _, p in problems))
 
 
 def faults_env(faults: Iterable[Fault], attempt: int = 1) -> dict[str, str]:
@@ -124,29 +234,68 @@ def faults_env(faults: Iterable[Fault], attempt: int = 1) -> dict[str, str]:
 # -- in the rank ----------------------------------------------------------------------------
 _armed: list[Fault] = []
 _last_step_time: float | None = None
+_step = 0  # the highest step seen: gpufleet's count (progress) or torch optimizer steps
+_torch_steps = 0
+_hooked = False
+_armed_at_start: tuple[str, int] | None = None
 
 
-def arm(rank: int) -> None:
-    """Arm this rank's faults from ``GPUFLEET_FAULTS`` (time-triggered ones start their timers)."""
-    global _armed, _last_step_time
-    _armed, _last_step_time = [], None
-    raw = os.environ.get(FAULTS_ENV)
+def arm(rank: int, at_start: bool = False) -> None:
+    """Arm this rank's faults from ``GPUFLEET_FAULTS`` (time-triggered ones start their timers).
+
+    ``at_start``: armed as the process starts (``gpufleet/fault_boot``, a workload rank that
+    may never call into gpufleet); the next :func:`arm` with the same faults (``runtime.setup``)
+    then keeps them rather than arming them twice.
+    """
+    global _armed, _last_step_time, _step, _torch_steps, _armed_at_start
+    raw = os.environ.get(FAULTS_ENV) or ""
+    if not at_start and _armed_at_start is not None:
+        armed_at_start, _armed_at_start = _armed_at_start, None
+        if armed_at_start == (raw, rank):
+            return
+    _armed, _last_step_time, _step, _torch_steps = [], None, 0, 0
     if not raw:
         return
-    mine = [f for f in parse_faults(json.loads(raw)) if f.rank is None or f.rank == rank]
+    if at_start:
+        _armed_at_start = (raw, rank)
+    mine = [f for f in (Fault(**d).check() for d in json.loads(raw)) if f.rank is None or f.rank == rank]
     _armed = [f for f in mine if f.after is None]
     for f in mine:
         if f.after is not None:
             timer = threading.Timer(f.after, _fire, args=(f, f"{f.after:g} s after the start"))
             timer.daemon = True
             timer.start()
+    if _armed:
+        _count_torch_optimizer_steps()
+
+
+def _count_torch_optimizer_steps() -> None:
+    """Count every torch optimizer step as a step too, so that ``step=N`` and ``slow`` fire in a
+    loop that uses none of gpufleet's helpers (a torchrun script with its own process group)."""
+    global _hooked
+    if _hooked:
+        return
+    _hooked = True
+    _after_import("torch.optim.optimizer", lambda module: module.register_optimizer_step_post_hook(_on_torch_step))
+
+
+def _on_torch_step(*_: Any) -> None:
+    global _torch_steps
+    _torch_steps += 1
+    _seen(_torch_steps)
 
 
 def on_step(step: int) -> None:
-    """Called at each counted step: fire the faults due now."""
-    global _last_step_time
-    if not _armed:
+    """Called at each step gpufleet counts: fire the faults due now."""
+    _seen(step)
+
+
+def _seen(step: int) -> None:
+    """A step count from one of the two counters: fire the faults due at each new highest step."""
+    global _last_step_time, _step
+    if not _armed or step <= _step:
         return
+    _step = step
     now = time.monotonic()
     for f in _armed:
         if f.action == "slow" and _last_step_time is not None:
@@ -156,9 +305,52 @@ def on_step(step: int) -> None:
     _last_step_time = time.monotonic()
 
 
-def _fire(fault: Fault, when: str) -> None:
-    import sys
+def _after_import(name: str, then: Callable[[Any], None]) -> None:
+    """Call ``then(module)`` once module ``name`` is imported (now, if it is already)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        _call_quietly(then, module)
+        return
+    sys.meta_path.insert(0, _ThenFinder(name, then))
 
+
+def _call_quietly(then: Callable[[Any], None], module: Any) -> None:
+    try:
+        then(module)
+    except Exception as e:  # noqa: BLE001 - never break the rank's import
+        print(f"gpufleet: faults given step=N cannot count torch optimizer steps here: {e}", file=sys.stderr, flush=True)
+
+
+class _ThenFinder(importlib.abc.MetaPathFinder):
+    """Finds module ``name`` as the other finders do, and calls ``then`` once it has run."""
+
+    def __init__(self, name: str, then: Callable[[Any], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, then = spec.loader, self.then
+
+        class _ThenLoader(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                module.__loader__ = module.__spec__.loader = loader  # the module sees its own loader
+                loader.exec_module(module)
+                _call_quietly(then, module)
+
+        spec.loader = _ThenLoader()
+        return spec
+
+
+def _fire(fault: Fault, when: str) -> None:
     print(f"gpufleet: injected fault: {fault.action} at {when}", file=sys.stderr, flush=True)
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

@@ -84,9 +84,12 @@ class LaunchOptions:
                 f"hang_timeout must be a positive number of seconds without progress, or None to turn the hang "
                 f"watchdog off; got {self.hang_timeout!r}"
             )
-        from .faults import parse_faults
+        from .faults import check_fit, parse_faults
 
-        parse_faults(self.faults)  # a fault that could never fire is refused now, not in the ranks
+        # a fault that could never fire is refused now, not in the ranks: a rank the run does not
+        # have (when gpus says how many), an attempt it never makes
+        ranks = len(self.gpus) if isinstance(self.gpus, tuple) else self.gpus if isinstance(self.gpus, int) else None
+        check_fit(parse_faults(self.faults), ranks, self.max_retries + 1)
         if self.keep_warm is not None and not isinstance(self.keep_warm, bool) and (
             not isinstance(self.keep_warm, (int, float)) or not math.isfinite(self.keep_warm) or self.keep_warm < 0
         ):

@@ -1,8 +1,9 @@
 """``gpufleet stacks RUN_ID``: every rank's current stack of a running call or workload on this machine.
 
-Each process of a run carries the run's id in its environment (``GPUFLEET_RUN_ID``): the ranks of a
+The id names a run of this user's run store (``--home``), fully or by a unique prefix; each
+process of a run carries the run's id in its environment (``GPUFLEET_RUN_ID``): the ranks of a
 ``@distributed`` call, and everything a workload's node command starts (torchrun and its
-children). Their stacks are read with py-spy, from outside and without stopping them; without
+children). Only this user's processes that carry exactly that id are read. Their stacks are read with py-spy, from outside and without stopping them; without
 py-spy, ranks that gpufleet launched dump their own through faulthandler (SIGUSR2). Ranks on other
 machines of a Ray cluster are not reached from here.
 """
@@ -18,9 +19,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-MIN_PREFIX = 6
-
-
 def _python(proc: Any) -> bool:
     try:
         return "python" in Path(proc.exe()).name or "python" in Path(proc.cmdline()[0]).name
@@ -28,32 +26,55 @@ def _python(proc: Any) -> bool:
         return False
 
 
-def find_run(run_id: str) -> tuple[str, list[tuple[Any, dict[str, str]]]]:
-    """The run id matched (exactly or by a unique prefix) and its live Python processes with their environments."""
+def find_processes(run_id: str) -> list[tuple[Any, dict[str, str]]]:
+    """This user's live Python processes that carry exactly run id ``run_id``, with their environments."""
     import psutil
 
-    by_run: dict[str, list[tuple[Any, dict[str, str]]]] = {}
-    me = os.getpid()
+    found = []
+    me, uid = os.getpid(), os.getuid()
     for proc in psutil.process_iter():
         if proc.pid == me:
             continue
         try:
+            if proc.uids().real != uid:  # another user's process is never ours, whatever it carries
+                continue
             env = proc.environ()
         except (psutil.Error, OSError):
             continue
-        rid = env.get("GPUFLEET_RUN_ID")
-        if rid and (rid == run_id or (len(run_id) >= MIN_PREFIX and rid.startswith(run_id))) and _python(proc):
-            by_run.setdefault(rid, []).append((proc, env))
-    if run_id in by_run:
-        return run_id, by_run[run_id]
-    if len(by_run) > 1:
-        raise LookupError(f"{run_id!r} matches several running runs: {', '.join(sorted(by_run))}; give more of the id")
-    if not by_run:
-        short = f" (give at least {MIN_PREFIX} characters of the id)" if len(run_id) < MIN_PREFIX else ""
-        raise LookupError(f"no running process of run {run_id!r} on this machine{short}; a Ray run's ranks on other "
-                          "nodes are not reached from here")  # fmt: skip
-    (rid, procs), = by_run.items()
-    return rid, procs
+        if env.get("GPUFLEET_RUN_ID") == run_id and _python(proc):
+            found.append((proc, env))
+    return found
+
+
+def resolve_run(run_id: str, home: str | None = None) -> Any:
+    """The run of this store (``home``: its state folder) that ``run_id`` names, fully or by a
+    unique prefix, while it runs; LookupError saying why there is nothing to show otherwise."""
+    from .workload.liveness import get_run
+    from .workload.store import RunIdError, RunNotFoundError, RunStore
+
+    store = RunStore(home)
+    try:
+        run = get_run(store, run_id)
+    except RunIdError as e:
+        raise LookupError(str(e)) from None
+    except RunNotFoundError:
+        raise LookupError(f"no run {run_id!r} in the run store {store.path} (`gpufleet list --all-status` lists "
+                          "its runs; --home or GPUFLEET_HOME names another store)") from None  # fmt: skip
+    if not run.is_active:
+        raise LookupError(f"run {run.id} is {run.state}: none of its processes runs any more")
+    return run
+
+
+def find_run(run_id: str, home: str | None = None) -> tuple[str, list[tuple[Any, dict[str, str]]]]:
+    """The run of this store that ``run_id`` names and its live Python processes on this machine."""
+    run = resolve_run(run_id, home)
+    procs = find_processes(run.id)
+    if not procs:
+        on_ray = bool((run.config.get("compute") or {}).get("cluster") or run.placement.get("nodes"))
+        raise LookupError(f"run {run.id} is {run.state} but none of its processes runs on this machine now"
+                          + ("; its ranks on other nodes of the Ray cluster are not reached from here" if on_ray
+                             else " (it may be starting or ending: try again)"))  # fmt: skip
+    return run.id, procs
 
 
 def _py_spy(pid: int) -> str | None:
@@ -77,9 +98,16 @@ def _faulthandler(proc: Any, env: dict[str, str]) -> str | None:
     return request_stacks(proc.pid, Path(folder, f"stacks-{rank}.txt"))
 
 
-def collect(run_id: str) -> tuple[str, list[dict[str, Any]]]:
-    """Every Python process of the run, in rank order, with its stack."""
-    rid, procs = find_run(run_id)
+def collect(run_id: str, home: str | None = None, stored: bool = True) -> tuple[str, list[dict[str, Any]]]:
+    """Every Python process of the run, in rank order, with its stack.
+
+    ``stored``: ``run_id`` names a run of the store at ``home`` (or a unique prefix of one);
+    False: exactly this run id (a supervisor's own run).
+    """
+    if stored:
+        rid, procs = find_run(run_id, home)
+    else:
+        rid, procs = run_id, find_processes(run_id)
     found = []
     for proc, env in procs:
         stack = _py_spy(proc.pid)
@@ -96,7 +124,7 @@ def collect(run_id: str) -> tuple[str, list[dict[str, Any]]]:
 
 def cmd_stacks(args: argparse.Namespace) -> int:
     try:
-        rid, found = collect(args.run_id)
+        rid, found = collect(args.run_id, args.home)
     except LookupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -116,4 +144,6 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser("stacks", help="every rank's current stack of a running call or workload on this machine")
     p.add_argument("run_id", help="the run id (of a call's attempt or a workload), or a unique prefix of 6+ characters")
     p.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    p.add_argument("--home", default=None,
+                   help="gpufleet state folder holding the run store (default: $GPUFLEET_HOME or ~/.gpufleet)")
     p.set_defaults(handler=cmd_stacks)

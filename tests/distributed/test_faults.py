@@ -76,7 +76,7 @@ def test_a_run_without_faults_sets_nothing_and_faults_hit_the_first_attempt_only
     ("explode:rank=1", "not one of kill, hang, exit, slow"),
     ("kill:rank=1", "exactly one of step=N or after=SECONDS"),
     ("kill:step=3:after=2", "exactly one of"),
-    ("kill:step=zero", "step='zero' is not a number"),
+    ("kill:step=zero", "step='zero' is not an integer"),
     ("slow:factor=0.5", "factor >= 1"),
     ("kill:rank=-1:step=2", "rank must be an integer >= 0"),
     ({"action": "kill", "when": 3}, "a fault is a dict"),
@@ -86,3 +86,53 @@ def test_a_fault_that_could_never_fire_is_refused_before_launch(bad, why):
         parse_fault(bad)
     with pytest.raises(errors.LaunchConfigError, match=why):
         distributed(_steps, faults=[bad], **CPU)
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("kill:rank=1:after=nan", "after must be a finite number of seconds"),
+    ("hang:rank=1:after=inf", "after must be a finite number of seconds"),  # would never fire
+    ("slow:rank=1:factor=nan", "finite factor >= 1"),  # crashed the rank inside gpufleet
+    ("exit:rank=1:step=2:code=256", "exit code from 0 to 255"),  # 256 would be reported as exit 0
+    ("kill:rank=1:rank=0:step=2", "rank is given twice"),
+    ("kill:rank=1:step=2:code=3", "kill takes no code"),
+    ("slow:rank=1:step=3", "slow takes no step"),
+    ({"action": "kill", "rank": True, "step": 2}, "rank must be an integer"),
+    ({"action": "kill", "rank": 1, "after": "5"}, "after must be a finite number"),
+    ("kill:rank=5:step=3", "rank 5 does not exist: the run has 2 ranks"),
+    ("kill:rank=1:step=3:attempt=3", "attempt 3 never runs: the run makes at most 1 attempt"),
+])  # fmt: skip
+def test_odd_values_and_faults_this_run_cannot_fire_are_refused_before_launch(bad, why):
+    with pytest.raises(errors.LaunchConfigError, match=why):
+        distributed(_steps, faults=[bad], **CPU)
+
+
+def test_every_wrong_fault_is_named_at_once_and_retries_make_later_attempts_valid():
+    with pytest.raises(errors.LaunchConfigError) as info:
+        distributed(_steps, faults=["kill:rank=1:after=nan", "exit:step=2:code=256"], **CPU)
+    assert "'kill:rank=1:after=nan'" in str(info.value) and "'exit:step=2:code=256'" in str(info.value)
+    distributed(_steps, faults=["kill:rank=1:step=3:attempt=2", "slow:factor=2:attempt=all"], max_retries=1, **CPU)
+    with pytest.raises(errors.LaunchConfigError, match="rank 2 does not exist"):  # gpus=None: known at launch
+        distributed(_steps, faults=["kill:rank=2:step=3"], **{**CPU, "gpus": None}).distributed(3)
+
+
+def _plain_torch_steps(n: int) -> int:
+    """A loop that uses nothing of gpufleet: its own process group, a plain optimizer."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(n):
+        optimizer.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+    dist.destroy_process_group()
+    return n
+
+
+def test_a_step_fault_fires_in_a_loop_that_counts_only_torch_optimizer_steps():
+    f = distributed(_plain_torch_steps, faults=["kill:rank=1:step=3"], **CPU)
+    with pytest.raises(errors.WorkerSignalError, match="rank 1 of 2 failed first: killed by signal SIGKILL") as info:
+        f.distributed(50)
+    assert "gpufleet: injected fault: kill at step 3" in info.value.failures[1].log_tail

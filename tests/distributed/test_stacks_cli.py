@@ -74,7 +74,41 @@ def test_stacks_of_a_workload_shows_torchruns_children(tmp_path: Path, monkeypat
 
 def test_stacks_of_an_unknown_run_says_so(capsys):
     assert main(["stacks", "20991231-no-such-run"]) == 1
-    assert "no running process of run" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no run '20991231-no-such-run' in the run store" in err and "gpufleet list --all-status" in err
+    assert "Ray" not in err
+
+
+def test_stacks_reads_only_the_runs_of_this_store(tmp_path: Path, capsys):
+    import os
+    import subprocess
+
+    handle = distributed(_waits_in_a_named_function, gpus=2, gpu_type="cpu", tracking=False, stream_logs=False,
+                         grace_period_s=1.0, timeout=120).submit()  # fmt: skip
+    # a process of another store's run whose id shares the prefix (another GPUFLEET_HOME, say)
+    other_id = handle.run_id[:-2] + "zz"
+    other = subprocess.Popen([sys.executable, "-c", "import time\ndef other_stores_rank():\n    time.sleep(120)\nother_stores_rank()"],
+                             env={**os.environ, "GPUFLEET_RUN_ID": other_id, "RANK": "0"})  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        out = ""
+        while time.monotonic() < deadline and out.count("deep_in_user_code") < 2:
+            code, out = _stacks(capsys, handle.run_id[:-2])  # the prefix names this store's run only
+            time.sleep(0.5)
+        assert code == 0 and out.count("deep_in_user_code") >= 2, out
+        assert str(other.pid) not in out and "other_stores_rank" not in out
+        assert main(["stacks", other_id]) == 1
+        assert f"no run {other_id!r} in the run store" in capsys.readouterr().err
+        assert main(["stacks", handle.run_id, "--home", str(tmp_path / "another-home")]) == 1
+        assert f"no run {handle.run_id!r} in the run store {tmp_path / 'another-home'}" in capsys.readouterr().err
+    finally:
+        other.kill()
+        other.wait()
+        handle.cancel()
+    with pytest.raises(Exception):
+        handle.result(30)
+    assert main(["stacks", handle.run_id]) == 1
+    assert f"run {handle.run_id} is CANCELED: none of its processes runs any more" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")

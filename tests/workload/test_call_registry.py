@@ -204,3 +204,52 @@ def test_warm_ranks_keep_their_gpus_while_idle_and_give_them_back(store: RunStor
     finally:
         warm.shutdown()
     assert all(u.free for u in gpu_uses())
+
+
+@distributed(gpus=2, gpu_type="cpu", stream_logs=False)
+def says_its_rank() -> None:
+    import os
+
+    print(f"hello from rank {os.environ['RANK']}", flush=True)
+
+
+def test_logs_of_a_call_take_rank_and_prefix_lines_as_follow_does(store: RunStore, capsys: pytest.CaptureFixture[str]) -> None:
+    handle = says_its_rank.submit()
+    handle.result(120)
+    code, out, err = cli(capsys, "logs", handle.run_id, "--rank", "1")
+    assert (code, out) == (0, "hello from rank 1\n"), err  # one rank asked for: its lines as they are
+    code, out, err = cli(capsys, "logs", handle.run_id)
+    assert code == 0, err
+    assert out.splitlines() == ["[rank 0] hello from rank 0", "[rank 1] hello from rank 1"]
+    code, out, err = cli(capsys, "logs", handle.run_id, "--follow")  # a finished call: the same lines
+    assert code == 0 and out.splitlines() == ["[rank 0] hello from rank 0", "[rank 1] hello from rank 1"], err
+    code, _, err = cli(capsys, "logs", handle.run_id, "--rank", "2")
+    assert code == 2 and "ranks 0..1" in err
+
+
+@distributed(gpus=2, gpu_type="cpu", stream_logs=False, secrets={"API_TOKEN": {"env": "GF_TEST_CALL_TOKEN"}})
+def rank_one_refuses_its_token() -> None:
+    import os
+
+    print("starting", flush=True)
+    if os.environ["RANK"] == "1":
+        raise PermissionError(f"token {os.environ['API_TOKEN']} was refused")
+
+
+def test_a_failed_rank_log_ends_with_its_traceback_secrets_masked(
+    store: RunStore, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GF_TEST_CALL_TOKEN", "s3cr3t-t0ken-value")
+    handle = rank_one_refuses_its_token.submit()
+    with pytest.raises(PermissionError):
+        handle.result(120)
+    code, out, err = cli(capsys, "logs", handle.run_id, "--rank", "1")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "starting" and "gpufleet: rank 1 failed with PermissionError" in out
+    assert "Traceback (most recent call last):" in out and "rank_one_refuses_its_token" in out
+    assert lines[-1] == "PermissionError: token *** was refused"
+    assert "s3cr3t-t0ken-value" not in out
+    assert Path(handle.run_dir, "rank-1.log").read_text().splitlines()[-1] == lines[-1]
+    code, out, _ = cli(capsys, "logs", handle.run_id, "--rank", "0")  # rank 0 did not fail
+    assert code == 0 and "Traceback" not in out

@@ -61,4 +61,12 @@ def test_output_into_an_open_pipe_or_a_file_is_unchanged(finished_run: str, tmp_
         code = subprocess.run([sys.executable, "-m", "gpufleet.cli", "logs", finished_run], stdout=f, cwd=REPO,
                               timeout=60).returncode  # fmt: skip
     assert code == 0
-    assert out.read_text().splitlines()[-1] == "line 199999"
+    assert out.read_text().splitlines()[-1] == "[node 0] line 199999"
+
+
+def test_advise_into_a_closed_pipe_ends_quietly() -> None:
+    # `gpufleet advise ... | head -1`: its table is written by rich, which ends with exit 1 on its own
+    argv = ["advise", "--model-params", "8B", "--gpus", "8", "--gpu-memory", "80GB"]
+    code, lines, err = _into_closed_pipe(argv, read_lines=1)
+    assert "8.00B parameters" in lines[0]
+    assert (code, err) == (141, ""), (code, err)

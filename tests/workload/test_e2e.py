@@ -224,7 +224,9 @@ def test_run_returns_at_once_and_outlives_the_cli(tmp_path: Path, home: Path) ->
     run = wait_state(store, run_id)
     assert run.state == "SUCCESS"
     logs = cli_process("logs", run_id, "--home", str(home))
-    assert logs.stdout.strip() == "finished"
+    assert logs.stdout.strip() == "[node 0] finished"  # as --follow prints it
+    logs = cli_process("logs", run_id, "--node", "0", "--home", str(home))
+    assert logs.stdout.strip() == "finished"  # one node asked for: no prefix, as with --follow
 
 
 def test_killed_supervisor_leaves_run_failed_and_nothing_running(tmp_path: Path, store: RunStore, capsys: pytest.CaptureFixture[str]) -> None:

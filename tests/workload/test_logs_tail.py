@@ -108,7 +108,7 @@ def test_logs_lines_of_a_run_with_a_large_log(tmp_path: Path, home: Path, store:
     finally:
         tracemalloc.stop()
     assert rc == 0, err
-    assert out.splitlines() == [f"end {i}" for i in range(2, 7)]
+    assert out.splitlines() == [f"[node 0] end {i}" for i in range(2, 7)]
     assert peak < 8 * 2**20, f"peak {peak} bytes for a 20 MB log"
     doc = cli_json(capsys, "logs", run.id, "--lines", "2")
     assert doc["logs"][0]["lines"] == ["end 5", "end 6"]

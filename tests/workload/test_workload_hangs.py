@@ -67,3 +67,65 @@ def test_the_watchdog_field_is_validated(tmp_path: Path, capsys, field: str) -> 
     wl = _project(tmp_path, **{field: -1})
     rc, out, err = cli(capsys, "validate", "-f", str(wl))
     assert rc == 2 and field in out + err
+
+
+PLAIN_TORCH = """
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # by itself, as examples/cpu-workload does: nothing of gpufleet
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(200):
+    optimizer.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+print("all steps done", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_fault_fires_in_ranks_that_use_nothing_of_gpufleet(tmp_path: Path, store: RunStore, capsys) -> None:
+    wl = _project(tmp_path, hang_timeout_minutes=None)
+    (tmp_path / "code" / "train.py").write_text(PLAIN_TORCH)
+    rc, out, err = cli(capsys, "run", "-f", str(wl), "--watch", "--no-tracking", "--inject-fault", "kill:rank=1:step=3")
+    run = store.get(out.splitlines()[0])
+    assert run.state == "FAILED" and rc != 0, out + err
+    assert "[rank 1] gpufleet: injected fault: kill at step 3" in out
+    assert "all steps done" not in out
+
+
+def test_faults_that_could_never_fire_in_this_workload_are_refused_at_once(tmp_path: Path, store: RunStore, capsys) -> None:
+    wl = _project(tmp_path)
+    rc, out, err = cli(capsys, "run", "-f", str(wl), "--inject-fault", "kill:rank=5:step=3",
+                       "--inject-fault", "kill:rank=1:step=3:attempt=3", "--inject-fault", "hang:rank=0:after=inf",
+                       "--inject-fault", "exit:rank=0:step=2:code=256")  # fmt: skip
+    text = out + err
+    assert rc == 2 and "invalid (4 problems)" in text, text
+    assert "faults[0]: fault 'kill:rank=5:step=3': rank 5 does not exist: the run has 2 ranks (0..1)" in text
+    assert "faults[1]: fault 'kill:rank=1:step=3:attempt=3': attempt 3 never runs" in text
+    assert "faults[2]: fault 'hang:rank=0:after=inf': after must be a finite number" in text
+    assert "faults[3]: fault 'exit:rank=0:step=2:code=256': code must be an exit code from 0 to 255" in text
+    assert store.list(states=None) == []  # nothing was submitted
+
+
+def test_the_fault_boot_keeps_the_environments_own_sitecustomize(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from gpufleet.workload.guard import fault_boot_env
+
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("import os\nos.environ['OWN_SITECUSTOMIZE'] = 'ran'\n")
+    env = {**os.environ, "GPUFLEET_FAULTS": '[{"action": "exit", "rank": 1, "after": 0, "code": 7}]', "RANK": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(own), env.get("PYTHONPATH", "")])
+    env.update(fault_boot_env(env))
+    code = "import os, time; print(os.environ.get('OWN_SITECUSTOMIZE')); time.sleep(30)"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 7 and "injected fault: exit at 0 s after the start" in done.stderr, done
+    env["RANK"] = "0"  # not a rank the fault hits: the process runs on, its own sitecustomize too
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('OWN_SITECUSTOMIZE'))"],
+                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert (done.returncode, done.stdout.strip()) == (0, "ran"), done

@@ -19,7 +19,7 @@ from . import failures
 from .gpu_requests import lease_for_group, release_group_lease
 from .group import GroupStatus, WorkerGroup
 from .leases import GpuLease, GpuRequest
-from .logstream import LogConfig, RankLog
+from .logstream import LogConfig, RankLog, failure_text
 from .ports import find_free_port
 from .proctree import popen_in_own_group, run_processes, stop_tree
 from .progress import PROGRESS_INTERVAL_ENV, read_progress, request_stacks
@@ -152,7 +152,10 @@ class LocalWorkerGroup(WorkerGroup):
         if rec is None:
             return False
         if rec["status"] == ERROR:
-            self._failures[rank] = failures.failure_from_outcome(rank, rec, self.run_dir.log(rank))
+            failure = self._failures[rank] = failures.failure_from_outcome(rank, rec, self.run_dir.log(rank))
+            log = self._pumps[rank].log if rank < len(self._pumps) else None
+            if log is not None:  # `gpufleet logs` shows why the rank failed
+                log.end_with(failure_text(rank, failure.exc_type, failure.traceback))
         elif rec["status"] == OK:
             self._results[rank] = rec
         return True

@@ -64,6 +64,7 @@ class RankLog:
         self._logs = logs
         self._out: IO[str] = sys.stdout
         self._err: IO[str] = sys.stderr
+        self._last: bytes = b""
 
     def write(self, line: bytes, is_stderr: bool) -> None:
         """Append one line to the log file and echo it if the config says so."""
@@ -75,6 +76,22 @@ class RankLog:
             self._file.write(line)
         echo_line(self._logs, self.rank, is_stderr, line, self._out, self._err)
 
+    def end_with(self, text: str) -> None:
+        """Have the log end with ``text`` (a failed rank's traceback), written into the file only
+        (the caller gets the exception itself) when the log closes, after the rank's last output."""
+        self._last = text.encode("utf-8", "replace")
+
     def close(self) -> None:
         with self._lock:
+            if self._last and not self._file.closed:
+                last = self._logs.mask(self._last) if self._logs.secrets else self._last
+                try:
+                    self._file.write(last if last.endswith(b"\n") else last + b"\n")
+                except OSError:  # a full disk: the caller's error has the traceback
+                    pass
             self._file.close()
+
+
+def failure_text(rank: int, exc_type: str, traceback: str) -> str:
+    """What a failed rank's log ends with: a line naming the failure, then its traceback."""
+    return f"gpufleet: rank {rank} failed with {exc_type}; its traceback:\n{traceback.rstrip()}\n"

@@ -20,7 +20,7 @@ from ..errors import LaunchConfigError, RankFailure
 from ..results import ERROR, OK, RunDir, tail
 from . import failures
 from .group import GroupStartCanceled, GroupStatus, WorkerGroup
-from .logstream import LogConfig, RankLog
+from .logstream import LogConfig, RankLog, failure_text
 from .spec import LaunchSpec, Rendezvous, slots_by_node
 
 __all__ = ["RayWorkerGroup", "RayPlacement"]
@@ -299,7 +299,9 @@ class RayWorkerGroup(WorkerGroup):
 
     def _take(self, rank: int, rec: dict[str, Any] | None) -> bool:
         if rec is not None and rec["status"] == ERROR:
-            self._failures[rank] = failures.failure_from_outcome(rank, rec, self.run_dir.log(rank))
+            failure = self._failures[rank] = failures.failure_from_outcome(rank, rec, self.run_dir.log(rank))
+            if rank < len(self._rank_logs):  # `gpufleet logs` shows why the rank failed
+                self._rank_logs[rank].end_with(failure_text(rank, failure.exc_type, failure.traceback))
             return True
         if rec is not None and rec["status"] == OK:
             self._results[rank] = rec

@@ -67,6 +67,11 @@ class _Pump:
         for pipe, is_stderr in ((proc.stdout, False), (proc.stderr, True)):
             threading.Thread(target=self._pump, args=(pipe, is_stderr), daemon=True).start()
 
+    @property
+    def log(self) -> RankLog | None:
+        """The log of the call served now."""
+        return self._log
+
     def serve(self, log: RankLog) -> None:
         with self._lock:
             self._log = log

@@ -107,7 +107,11 @@ def _print_table(advice: Any, gpu_memory: str) -> None:
             f"{e.cpu_gib:.1f}" if e.cpu_gib else "-",
             "yes" if e.fits else "no",
         )
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:  # rich would exit 1; the CLI ends quietly with 141, as git does
+            raise BrokenPipeError
+
+    console = _Console(width=None if sys.stdout.isatty() else 120)
     console.print(table)
     console.print(
         f"GiB per GPU (1 GiB = 2^30 bytes); --gpu-memory {gpu_memory} read as {inputs['gpu_memory_gib']:g} GiB "

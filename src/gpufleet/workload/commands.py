@@ -323,7 +323,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     """``gpufleet logs RUN_ID``."""
     from .liveness import get_run
     from .store import RunNotFoundError
-    from .view import tail_lines
+    from .view import log_lines, tail_lines
 
     store = _store(args)
     try:
@@ -331,8 +331,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
     except RunNotFoundError as e:
         return _not_found(e, args)
     if args.node is not None and run.is_call and not 0 <= args.node < run.log_units:
-        return _error(f"--node {args.node}: run {run.id} is a call with ranks 0..{run.log_units - 1}", args, EXIT_INVALID)
-    if args.node is not None and not 0 <= args.node < run.command_nodes:
+        return _error(f"--rank {args.node}: run {run.id} is a call with ranks 0..{run.log_units - 1}", args, EXIT_INVALID)
+    if args.node is not None and not run.is_call and not 0 <= args.node < run.command_nodes:
         if run.command_nodes == 1 < run.num_nodes:
             return _error(f"--node {args.node}: run {run.id} is a Ray driver run; its command ran once, as "
                           "node 0 (its Ray workers log to the Ray cluster)", args, EXIT_INVALID)  # fmt: skip
@@ -359,12 +359,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
              "logs": [{"name": name, "path": str(p), "lines": tail_lines(p, args.lines)} for name, p in files]}
         )  # fmt: skip
         return 0
-    several = len(files) > 1
-    for name, path in files:
-        if several:
-            print(f"==> {name}: {path} <==")
-        for line in tail_lines(path, args.lines):
-            print(line)
+    # what --follow prints of a finished run: each line with its [node N] / [rank N] prefix
+    # (none with --node), and a separator before each attempt
+    for prefix, line in log_lines(run, node=args.node, attempt=args.attempt, num_lines=args.lines):
+        sys.stdout.write((prefix if args.node is None else "") + line + "\n")
     sys.stdout.flush()
     if not files:
         _err(f"run {run.id} ({run.state}) has no logs yet")

@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 if __package__:
     from .procgroup import terminate_group
@@ -39,6 +39,18 @@ SECRETS_ENV = "GPUFLEET_SECRETS"
 MASK = b"***"
 #: Seconds the guard keeps copying output after the command exited (what it started may hold the pipe).
 _DRAIN_S = 2.0
+#: The faults an attempt rehearses (``gpufleet.faults.FAULTS_ENV``).
+FAULTS_ENV = "GPUFLEET_FAULTS"
+#: Its ``sitecustomize`` arms them in every rank the command starts (``gpufleet/fault_boot``).
+FAULT_BOOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fault_boot")
+
+
+def fault_boot_env(env: Mapping[str, str]) -> dict[str, str]:
+    """With faults to rehearse: ``PYTHONPATH`` with :data:`FAULT_BOOT` first, so that every rank
+    arms them as it starts, also one whose code never calls into gpufleet. Otherwise nothing."""
+    if not env.get(FAULTS_ENV):
+        return {}
+    return {"PYTHONPATH": os.pathsep.join(p for p in [FAULT_BOOT, env.get("PYTHONPATH", "")] if p)}
 
 
 class Masker:
@@ -134,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     # so that its exit code is reported.
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
+    os.environ.update(fault_boot_env(os.environ))
     secrets = secret_values(os.environ)
     rank_lines = RankLines.for_node(os.environ, sys.stdout.fileno(), _line_masker(secrets) if secrets else None)
     if rank_lines is not None:  # torchrun's ranks write into files; their lines reach the log whole

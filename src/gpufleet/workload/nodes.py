@@ -326,7 +326,7 @@ class WorkloadNodeGroup(WorkerGroup):
         from ..stacks import collect
 
         try:
-            _, found = collect(self.run_id)
+            _, found = collect(self.run_id, stored=False)
         except LookupError:
             return {}
         return {p["rank"]: p["stack"] for p in found if p["rank"] is not None}

@@ -16,7 +16,7 @@ from typing import IO
 
 from .formats import fmt_duration, fmt_time  # noqa: F401 - also used by the other views
 from .liveness import get_run
-from .store import TERMINAL_STATES, RunRecord, RunStore
+from .store import TERMINAL_STATES, AttemptRecord, RunRecord, RunStore
 
 _STATE_STYLE = {
     "PENDING": "yellow",
@@ -68,12 +68,14 @@ class LogFollower:
         if self.attempt is None and self.node is None:
             out.append(("[setup] ", self.run_dir / "environment.log"))
         for a in run.attempts:
-            if self.attempt is not None and a.attempt != self.attempt:
-                continue
-            nodes = [self.node] if self.node is not None else range(run.log_units)
-            for n in nodes:
-                out.append((f"[{run.log_name} {n}] ", Path(a.log_dir) / f"{run.log_name}-{n}.log"))
+            if self.attempt is None or a.attempt == self.attempt:
+                out += self.attempt_files(run, a)
         return out
+
+    def attempt_files(self, run: RunRecord, a: AttemptRecord) -> list[tuple[str, Path]]:
+        """``(prefix, path)`` of each log file of attempt ``a``: ``[node N] `` or ``[rank N] ``."""
+        nodes = [self.node] if self.node is not None else range(run.log_units)
+        return [(f"[{run.log_name} {n}] ", Path(a.log_dir) / f"{run.log_name}-{n}.log") for n in nodes]
 
     def read(self, run: RunRecord, final: bool = False) -> Iterator[tuple[str, str]]:
         """New ``(prefix, line)`` pairs; ``final`` also yields an unterminated last line."""
@@ -98,6 +100,24 @@ class LogFollower:
                 self._partial[path] = rest
             for line in lines:
                 yield prefix, line.decode("utf-8", "replace").rstrip("\r")
+
+
+def log_lines(run: RunRecord, node: int | None = None, attempt: int | None = None,
+              num_lines: int | None = None) -> Iterator[tuple[str, str]]:
+    """``(prefix, line)`` of a run's logs as they are now: what :func:`follow_logs` writes of a
+    finished run (the same files, prefixes and attempt separators), each file cut to its last
+    ``num_lines`` lines."""
+    follower = LogFollower(run, node=node, attempt=attempt)
+    if attempt is None and node is None:
+        yield from (("[setup] ", line) for line in tail_lines(follower.run_dir / "environment.log", num_lines))
+    for a in run.attempts:
+        if attempt is not None and a.attempt != attempt:
+            continue
+        if attempt is None and len(run.attempts) > 1:
+            yield "", f"--- attempt {a.attempt}/{run.max_attempts} ---"
+        for prefix, path in follower.attempt_files(run, a):
+            for line in tail_lines(path, num_lines):
+                yield prefix, line
 
 
 #: Bytes read at a time by :func:`iter_lines` and :func:`tail_lines`.

@@ -335,13 +335,12 @@ class WorkloadConfig(_Strict):
     @field_validator("faults")
     @classmethod
     def _check_faults(cls, v: list[str]) -> list[str]:
-        from ...errors import LaunchConfigError
-        from ...faults import parse_faults
+        from ...faults import fault_problems
+        from .problems import ItemProblems
 
-        try:
-            parse_faults(v)
-        except LaunchConfigError as e:
-            raise ValueError(str(e)) from None
+        problems = fault_problems(v)  # every problem of every fault
+        if problems:
+            raise ItemProblems(problems)
         return v
 
     @field_validator("experiment_name")

@@ -52,3 +52,12 @@ def path_of(loc: tuple[Any, ...]) -> str:
         else:  # a key with dots, spaces or control characters: quoted, on one line
             out += f"[{str(part)!r}]"
     return out
+
+
+class ItemProblems(GpufleetError, ValueError):
+    """Raised by a list field's validator (pydantic takes ValueErrors): a problem of each wrong
+    item (``(index, message)``), reported at each item's path (``faults[1]``)."""
+
+    def __init__(self, items: list[tuple[int, str]]) -> None:
+        self.items = items
+        super().__init__("; ".join(f"[{i}] {m}" for i, m in items))

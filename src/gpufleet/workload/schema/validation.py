@@ -6,13 +6,14 @@ missing fields, wrong types and the models' own checks, each as ``path: message`
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from .models import WorkloadConfig, submodel
-from .problems import Problem, WorkloadValidationError, describe, path_of
+from .problems import ItemProblems, Problem, WorkloadValidationError, describe, path_of
 
 _TYPE_NAMES = {
     "string_type": "a string",
@@ -66,6 +67,9 @@ def _problems_from(err: ValidationError) -> list[Problem]:
             msg = f"expected a string, number or true/false, got {describe(e.get('input'))}"
         elif etype in _TYPE_NAMES:
             msg = f"expected {_TYPE_NAMES[etype]}, got {describe(e.get('input'))}"
+        elif etype == "value_error" and isinstance(e.get("ctx", {}).get("error"), ItemProblems):
+            problems += [Problem(path_of((*loc, i)), m) for i, m in e["ctx"]["error"].items]
+            continue
         elif etype == "value_error":
             msg = str(e.get("ctx", {}).get("error") or e.get("msg"))
         else:
@@ -105,8 +109,39 @@ def validate_document(doc: Any, source: str = "workload") -> WorkloadConfig:
             [Problem("", f"keys must be strings, got {', '.join(map(repr, bad_keys))}")], source
         )
     try:
-        return WorkloadConfig.model_validate(doc)
+        config = WorkloadConfig.model_validate(doc)
     except ValidationError as e:
-        raise WorkloadValidationError(_problems_from(e), source) from None
+        raise WorkloadValidationError(_problems_from(e) + fault_fit_problems(doc), source) from None
     except RecursionError:
         raise WorkloadValidationError([Problem("", "the document is nested too deeply")], source) from None
+    problems = fault_fit_problems(doc)
+    if problems:
+        raise WorkloadValidationError(problems, source)
+    return config
+
+
+def fault_fit_problems(doc: dict[str, Any]) -> list[Problem]:
+    """Faults that could never fire in this workload: a rank it does not have, an attempt it never
+    makes, any fault of a Ray driver (its workers are Ray's, not the command's). Read from the
+    document itself, so that they are reported with its other problems; faults, ranks or retries
+    that are invalid themselves have their own problems and are left out here."""
+    from ...errors import LaunchConfigError
+    from ...faults import Fault, fit_problems, parse_fault
+
+    specs = doc.get("faults")
+    if not isinstance(specs, list) or not specs:
+        return []
+    faults: dict[int, Fault] = {}
+    for i, spec in enumerate(specs):
+        with contextlib.suppress(LaunchConfigError, TypeError):  # a wrong fault has its own problem
+            faults[i] = parse_fault(spec)
+    compute = doc.get("compute") if isinstance(doc.get("compute"), dict) else {}
+    if compute.get("ray_driver") is True:
+        return [Problem("faults", "faults are not injected into a Ray driver's workers (compute.ray_driver: true): "
+                                  "they would never fire; rehearse them without ray_driver, or remove them")]  # fmt: skip
+    world = compute.get("num_accelerators")
+    retries = doc.get("max_retries", 0)
+    world = world if isinstance(world, int) and not isinstance(world, bool) and world > 0 else None
+    attempts = retries + 1 if isinstance(retries, int) and not isinstance(retries, bool) and 0 <= retries <= 100 else None
+    indices = list(faults)
+    return [Problem(f"faults[{indices[i]}]", message) for i, message in fit_problems(faults.values(), world, attempts)]
