@@ -86,6 +86,12 @@ class ControllerCallback:
     def on_end(self, group: WorkerGroup, attempt: int, state: RunState, error: BaseException | None) -> None:
         """The attempt ended in ``state``; ``error`` is what the caller gets for it, if any."""
 
+    def on_watch(self, group: WorkerGroup, attempt: int, note: str | None) -> None:
+        """The hang watchdog's note changed: why a stall is not called a hang yet (None: moving again).
+
+        Called on a thread of its own: a slow hook never delays the watchdog.
+        """
+
 
 @dataclass(frozen=True)
 class AttemptOutcome:
@@ -331,6 +337,8 @@ class Controller:
         verdict = self.watchdog.check(status, group)
         if self.watchdog.note != note:
             write_note(group.run_dir.path, self.watchdog.note)
+            threading.Thread(target=self._call_hooks, args=("on_watch", group, self.watchdog.note),
+                             name="gpufleet-watch-note", daemon=True).start()  # fmt: skip
         return verdict
 
     def _hung(self, group: WorkerGroup, verdict: Verdict) -> AttemptOutcome:
@@ -447,6 +455,9 @@ class Controller:
     def _call_hooks(self, name: str, group: WorkerGroup, *args: Any) -> None:
         for callback in self._callbacks:
             try:
-                getattr(callback, name)(group, self.attempt, *args)
+                hook = getattr(callback, name, None)
+                if hook is None and name == "on_watch":
+                    continue  # a hook added after some callbacks were written
+                hook(group, self.attempt, *args)  # type: ignore[misc]
             except Exception as e:  # tracking trouble never changes the run's outcome
                 logger.warning("run %s: %s hook of %s failed: %s", group.run_id, name, type(callback).__name__, e)

@@ -121,7 +121,7 @@ def _pending_in_recorder(record: Mapping[str, Any], seq: int) -> bool:
     return entry is not None and entry.get("state") in ("scheduled", "started")
 
 
-_ACTIVITY = {"busy": "busy", "idle": "idle", "stopped": "stopped by a signal (SIGSTOP or SIGTSTP)",
+_ACTIVITY = {"busy": "busy", "idle": "idle", "stopped": "stopped: SIGSTOP or SIGTSTP",
              "unknown": "activity unknown"}  # fmt: skip
 
 
@@ -131,6 +131,8 @@ class _Ranks:
     def __init__(self, progress: Mapping[int, Mapping[str, Any]], stacks: Mapping[int, str],
                  activity: Mapping[int, str], now: float | None) -> None:  # fmt: skip
         self.progress, self.stacks, self.activity, self.now = progress, stacks, activity, now
+        #: the collective a rank is known to have completed at least (the others entered the next one)
+        self.completed: dict[int, int] = {}
 
     def seq(self, r: int) -> int | None:
         return self.progress.get(r, {}).get("seq")
@@ -139,10 +141,12 @@ class _Ranks:
         return user_frame(self.stacks.get(r, ""))
 
     def after(self, r: int) -> str:
-        seq = self.seq(r)
+        """The last collective it completed: its own count, or later where the others prove it (a stale record)."""
+        seq = max(self.seq(r) or 0, self.completed.get(r, 0))
         if not seq:
             return "before its first collective"
-        return f"after {_name(_collective(self.progress.get(r, {}), seq), seq)}"
+        entry = next((e for p in [self.progress.get(r, {}), *self.progress.values()] if (e := _collective(p, seq))), None)
+        return f"after {_name(entry, seq)}"
 
     def doing(self, r: int) -> str:
         """``busy``, ``idle``, ...; with a silent progress reporter (a C call holding the GIL) named."""
@@ -216,12 +220,14 @@ def diagnose(
             summary.append("mismatched collectives: " + "; ".join(
                 f"rank {r} in {_name(e, top)}" for r, e in sorted(entries.items())))  # fmt: skip
             for r, e in entries.items():
-                missing[r] = f"in {_name(e, top)}, which does not match the other ranks'"
+                where = facts.where(r)
+                missing[r] = f"in {_name(e, top)}" + (f" at {where}" if where else "") + ", which does not match the other ranks'"
             clear = True
         elif behind and ahead:
             verb = "waits" if len(ahead) == 1 else "wait"
             summary.append(f"{_ranks(behind)} missing from {name}, which {_ranks(ahead)} {verb} in")
-            for r in behind:
+            for r in behind:  # the others entered #top: every rank completed #top-1
+                facts.completed[r] = top - 1
                 if inside.get(r) or in_collective(stacks.get(r, "")):
                     missing[r] = (f"missing from {name}: in a collective at {facts.where(r)} that the others passed "
                                   f"(its collective count: #{seqs[r]}; another process group, or different "
@@ -231,6 +237,13 @@ def diagnose(
             for r in ahead:
                 waiting[r] = facts.waiting_in(r, name)
             clear = quiet(behind)
+        elif finished and ahead and any((seqs[r] or 0) < top for r in finished):
+            gone = sorted(r for r in finished if (seqs[r] or 0) < top)
+            verb = "waits" if len(ahead) == 1 else "wait"
+            summary.append(f"{_ranks(gone)} returned without entering {name}, which {_ranks(ahead)} {verb} in")
+            for r in ahead:
+                missing[r] = f"{facts.waiting_in(r, name)}, which {_ranks(gone)} never entered (it returned)"
+            clear = True
         elif finished and ahead:
             stuck = [r for r in ahead if inside.get(r) is not False]
             if stuck:  # the others wait in a collective that a rank which returned completed on its side
@@ -277,7 +290,7 @@ def diagnose(
     for r in range(num_ranks):
         if r in finished:
             missing.pop(r, None)
-            waiting[r] = f"returned its result (its last collective: #{seqs[r]})"
+            waiting[r] = f"returned its result ({facts.after(r)})"
         elif r not in missing and r not in waiting:
             waiting[r] = facts.own_code(r)
     for r in range(num_ranks):

@@ -103,6 +103,7 @@ class Watchdog:
         self._sectioned = self._step_sectioned = False  # a long section was seen in this pause, this step
         self._samples: list[tuple[float, dict[int, activity.Sample], dict[int, Any]]] = []
         self._pids: dict[int, int] = {}
+        self._stacks: dict[int, str] = {}
         self._next_look = 0.0
         self._warned: set[str] = set()
         #: What the watchdog sees now, when a stall is not (yet) a hang: a busy rank and its line.
@@ -183,23 +184,41 @@ class Watchdog:
             self._sample(group, status.progress, now)
         if stall < due or now < self._next_look:
             return None
-        found = self._diagnose(group, status, num_ranks, finished, stall, now, long_s if stall >= long_s else fast)
+        limit_s = long_s if stall >= long_s else fast
+        found = self._diagnose(group, status, num_ranks, finished, stall, now, limit_s)
         if stall >= long_s or found.clear:
+            if self._continue_stopped(found):  # their stacks, now that they are stopped for good
+                found = self._diagnose(group, status, num_ranks, finished, stall, now, limit_s, resample=False)
             return Verdict(stall, stall < long_s, found)
         self._next_look = now + self.settings.recheck_s
         self._tell(group, found, stall, long_s)
         return None
 
     def _diagnose(self, group: Any, status: Any, num_ranks: int, finished: frozenset[int], stall: float,
-                  now: float, limit_s: float | None) -> Diagnosis:  # fmt: skip
+                  now: float, limit_s: float | None, resample: bool = True) -> Diagnosis:  # fmt: skip
         stacks = group.stacks()
-        self._sample(group, status.progress, now)
+        self._stacks = stacks
+        if resample:
+            self._sample(group, status.progress, now)
         if limit_s is not None and limit_s < self.settings.long_s:
             limit = (f"the limit learned from this run: {limit_s:.0f} s ({self.settings.factor:g} x its slowest "
                      f"step or pause, {self.slowest_s:.1f} s; at least {self.settings.floor_s:g} s)")  # fmt: skip
         else:
             limit = f"hang_timeout={self.settings.long_s:g} s" if limit_s == self.settings.long_s else f"{limit_s:g} s"
         return diagnose(status.progress, stacks, num_ranks, stall, finished, self._activity(now), self._wall(), limit)
+
+    def _continue_stopped(self, found: Diagnosis) -> bool:
+        """Let the ranks stopped by a signal run again (they are about to be stopped for good), so that
+        their stack handler dumps where they were stopped: continued just after the stack request."""
+        import signal
+        import threading
+
+        stopped = [self._pids[r] for r, smp in self._samples[-1][1].items() if smp.stopped and not self._stacks.get(r)]
+        for pid in stopped:
+            timer = threading.Timer(0.3, _signal, args=(pid, signal.SIGCONT))
+            timer.daemon = True
+            timer.start()
+        return bool(stopped)
 
     def _tell(self, group: Any, found: Diagnosis, stall: float, long_s: float) -> None:
         """Say once per finding why a stall is not called a hang yet (a busy rank and its line)."""
@@ -214,6 +233,13 @@ class Watchdog:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning("run %s: %s", group.run_id, self.note)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
 
 
 #: The watchdog's current note in the run folder (``gpufleet stacks`` shows it).
