@@ -24,12 +24,14 @@ BUSY_GPU_UTIL = 10
 
 @dataclass(frozen=True)
 class Sample:
-    """One look at a rank: when, its process tree's CPU seconds (None: unknown), stopped by a signal."""
+    """One look at a rank: when, its process tree's CPU seconds (None: unknown), stopped by a signal,
+    running or waiting for a core (a rank starved on a loaded machine uses no CPU but is not idle)."""
 
     time: float
     cpu_s: float | None
     stopped: bool = False
     gone: bool = False
+    runnable: bool = False
 
 
 def rank_pids(workers_are_ranks: bool, pids: list[int], run_id: str,
@@ -71,7 +73,7 @@ def sample(pid: int, now: float) -> Sample:
                 total += sum(child.cpu_times()[:2])
             except psutil.Error:
                 continue
-        return Sample(now, total, stopped=status == psutil.STATUS_STOPPED)
+        return Sample(now, total, stopped=status == psutil.STATUS_STOPPED, runnable=status == psutil.STATUS_RUNNING)
     except psutil.NoSuchProcess:
         return Sample(now, None, gone=True)
     except psutil.Error:
@@ -84,11 +86,13 @@ def judge(before: Sample | None, after: Sample | None, record_before: Mapping[st
 
     The process tree's CPU seconds decide where they are known; else the CPU seconds of the
     rank's own progress records (only when both records are fresh: a blocked rank writes none).
-    A GPU at work makes a rank busy either way.
+    A GPU at work, or a process found running (or waiting for a core), makes a rank busy either way.
     """
     if after is not None and after.stopped:
         return "stopped"
     if record_after and int(record_after.get("gpu_util") or 0) >= BUSY_GPU_UTIL:
+        return "busy"
+    if (before is not None and before.runnable) or (after is not None and after.runnable):
         return "busy"
     if before is not None and after is not None and before.cpu_s is not None and after.cpu_s is not None:
         span = after.time - before.time

@@ -23,8 +23,9 @@ _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func
 _SPY_FRAME = re.compile(r"^\s+(?P<func>\S+) \((?P<file>[^()]+):(?P<line>\d+)\)\s*$")  # py-spy dump
 _NOT_USER = re.compile(r"(/site-packages/|/dist-packages/|/lib/python3\.\d+/|(^|/)gpufleet/(launch|faults)|(^|/)torch/|^<frozen )")
 _IN_COLLECTIVE = re.compile(r"(^|/)torch/distributed/")
-#: A rank whose progress record is older than this (seconds) has a progress reporter that cannot run.
-STALE_S = 6.0
+#: A rank whose progress record is older than this (seconds; it is rewritten every second or faster)
+#: has a progress reporter that cannot run.
+STALE_S = 3.0
 
 
 @dataclass(frozen=True)

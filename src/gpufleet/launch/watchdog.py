@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 FLOOR_ENV = "GPUFLEET_HANG_FLOOR_S"
 FACTOR_ENV = "GPUFLEET_HANG_FACTOR"
+#: Looks at each rank (group, progress records, now) -> each rank's :class:`activity.Sample`.
+Sampler = Callable[[Any, Mapping[int, Mapping[str, Any]], float], dict[int, activity.Sample]]
 #: Steps every rank must have reached before the fast path learns (the first one may compile).
 STEADY_STEP = 2
 
@@ -88,9 +90,10 @@ class Watchdog:
     """Watches one attempt's progress records, poll after poll (:meth:`check`)."""
 
     def __init__(self, settings: HangSettings, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:  # fmt: skip
+                 wall: Callable[[], float] = time.time, sampler: Sampler | None = None) -> None:  # fmt: skip
         self.settings = settings
         self._clock, self._wall = clock, wall
+        self._sampler = sampler
         self.reset()
 
     def reset(self) -> None:
@@ -142,10 +145,12 @@ class Watchdog:
 
     # -- looking --------------------------------------------------------------------------
     def _sample(self, group: Any, progress: Mapping[int, Mapping[str, Any]], now: float) -> None:
-        missing = [r for r in progress if r not in self._pids]
-        if missing or not self._pids:
-            self._pids.update(activity.rank_pids(group.workers_are_ranks, group.pids, group.run_id, progress))
-        samples = {r: activity.sample(pid, now) for r, pid in self._pids.items()}
+        if self._sampler is not None:
+            samples = self._sampler(group, progress, now)
+        else:
+            if any(r not in self._pids for r in progress) or not self._pids:
+                self._pids.update(activity.rank_pids(group.workers_are_ranks, group.pids, group.run_id, progress))
+            samples = {r: activity.sample(pid, now) for r, pid in self._pids.items()}
         self._samples = [*self._samples[-3:], (now, samples, {r: dict(p) for r, p in progress.items()})]
 
     def _activity(self, now: float) -> dict[int, str]:
@@ -213,7 +218,8 @@ class Watchdog:
         import signal
         import threading
 
-        stopped = [self._pids[r] for r, smp in self._samples[-1][1].items() if smp.stopped and not self._stacks.get(r)]
+        stopped = [self._pids[r] for r, smp in self._samples[-1][1].items()
+                   if smp.stopped and not self._stacks.get(r) and r in self._pids]  # fmt: skip
         for pid in stopped:
             timer = threading.Timer(0.3, _signal, args=(pid, signal.SIGCONT))
             timer.daemon = True
