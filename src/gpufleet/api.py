@@ -405,7 +405,8 @@ def distributed(
             ``tracking`` (one MLflow run per call/attempt, default True; also off with
             ``GPUFLEET_TRACKING=0``), ``experiment_name`` (the MLflow experiment),
             ``hang_timeout`` (seconds without progress before the hang watchdog stops the call
-            with a diagnosis, default 600; None: off), ``faults`` (faults to inject on purpose,
+            with a diagnosis, default 600; None: off; a clear steady-state hang is called sooner,
+            after a limit learned from the steps, see docs/hangs.md), ``faults`` (faults to inject on purpose,
             e.g. ``["kill:rank=1:step=30"]``; see :mod:`gpufleet.faults`), ``keep_warm``
             (seconds idle ranks stay ready for the next call; True = 600, False = off; default:
             on in a notebook, off in scripts; local runs only), ``secrets`` (variables of every

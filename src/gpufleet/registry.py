@@ -292,6 +292,12 @@ class CallRecorder(ControllerCallback):
             except OSError as e:
                 logger.warning("run %s: could not write its outcome file either: %s", group.run_id, e)
 
+    def on_watch(self, group: WorkerGroup, attempt: int, note: str | None) -> None:
+        """The hang watchdog's note (a busy rank while the others wait) is the running call's message."""
+        if group.run_id in self._recorded and self._store is not None:
+            db = self._store
+            self._try(group.run_id, "the watchdog's note", lambda: db.update_run(group.run_id, message=note))
+
     # -- the caller's watch on its record ------------------------------------------------
     def _poll(self, db: RunStore, group: WorkerGroup, stop: threading.Event) -> None:
         """Cancel the call when its record asks for it; mark a Ray call RUNNING once its ranks run;

@@ -25,6 +25,7 @@ __all__ = [
     "barrier",
     "device",
     "report_step",
+    "section",
 ]
 
 
@@ -168,3 +169,17 @@ def report_step(step: int | None = None) -> None:
     from .launch.progress import note_reported_step
 
     note_reported_step(step)
+
+
+def section(name: str, limit_s: float | None = None) -> Any:
+    """Mark a long phase of this rank (evaluation, a model export) so that the hang watchdog waits it out.
+
+    ``with runtime.section("eval"): evaluate(model)``. While any rank is inside a section, the
+    watchdog's fast path is off (a rank that the others wait for is not declared hung after
+    the limit learned from the steps); the run is judged hung only once nothing moved for
+    ``limit_s`` seconds (default: the call's ``hang_timeout``). Sections nest; cheap, and a
+    no-op outside a launched rank. gpufleet marks ``CheckpointManager`` saves and resumes itself.
+    """
+    from .launch.progress import section as _section
+
+    return _section(name, limit_s)

@@ -116,7 +116,7 @@ def collect(run_id: str, home: str | None = None, stored: bool = True) -> tuple[
         found.append({
             "rank": int(env["RANK"]) if env.get("RANK", "").isdigit() else None,
             "node_rank": env.get("NODE_RANK"), "pid": proc.pid,
-            "command": " ".join(proc.cmdline())[:200], "stack": stack,
+            "command": " ".join(proc.cmdline())[:200], "stack": stack, "run_dir": env.get("GPUFLEET_RUN_DIR"),
         })  # fmt: skip
     found.sort(key=lambda p: (p["rank"] is None, p["rank"] if p["rank"] is not None else 0, p["pid"]))
     return rid, found
@@ -128,9 +128,14 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     except LookupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    from .launch.watchdog import read_note
+
+    note = next((n for n in (read_note(p["run_dir"]) for p in found if p.get("run_dir")) if n), None)
     if args.output == "json":
-        print(json.dumps({"run_id": rid, "processes": found}, indent=2))
+        print(json.dumps({"run_id": rid, "watchdog": note, "processes": found}, indent=2))
         return 0
+    if note:
+        print(f"hang watchdog: {note}\n")
     for p in found:
         who = f"rank {p['rank']}" if p["rank"] is not None else "process"
         node = f", node {p['node_rank']}" if p["node_rank"] is not None else ""

@@ -61,6 +61,112 @@ def _slow_but_moving(steps: int, pause_s: float) -> int:
     return steps
 
 
+def _steady_then(fault: str) -> None:
+    import ctypes
+    import os
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    runtime.setup()
+    for _ in range(6):  # rank 1's last progress record (once a second) has it past its first steps
+        time.sleep(0.5)
+        dist.all_reduce(torch.ones(4))
+        runtime.report_step()
+    if runtime.get_global_rank() == 1:
+        if fault == "sleep":
+            time.sleep(600)  # FAULT sleep
+        elif fault == "gil":
+            libc = ctypes.PyDLL(None)
+            while True:
+                libc.sleep(600)  # FAULT gil: holds the GIL
+        elif fault == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # FAULT sigstop
+    dist.all_reduce(torch.ones(4))
+
+
+def _long_phases_and_a_busy_rank(root: str) -> str:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from gpufleet.checkpoint import CheckpointManager
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            time.sleep(0.3)
+            dist.all_reduce(torch.ones(4))
+            runtime.report_step()
+
+    runtime.setup()
+    rank = runtime.get_global_rank()
+    if rank == 0:
+        time.sleep(8)  # a model load before the first step, rank 1 waits
+    dist.barrier()
+    steps(5)
+    with runtime.section("eval"):
+        if rank == 0:
+            time.sleep(8)  # a long evaluation
+        dist.barrier()
+    steps(2)
+    if rank == 1:
+        t0, x = time.monotonic(), np.random.rand(200, 200)
+        while time.monotonic() - t0 < 8:
+            x = np.tanh(x @ x)  # BUSY numpy, rank 0 waits in the barrier
+    dist.barrier()
+    steps(2)
+
+    class SlowState:
+        def state_dict(self) -> dict:
+            if rank == 0:
+                time.sleep(8)  # a slow checkpoint save on rank 0
+            return {"x": 1}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    CheckpointManager(root, model=torch.nn.Linear(2, 2), stateful={"slow": SlowState()}).save(9)
+    steps(2)
+    return "done"
+
+
+@pytest.fixture
+def small_fast_limit(monkeypatch):
+    """The fast path's floor at 5 s and 2 x the slowest step (the defaults: 25 s and 8 x)."""
+    monkeypatch.setenv("GPUFLEET_HANG_FLOOR_S", "5")
+    monkeypatch.setenv("GPUFLEET_HANG_FACTOR", "2")
+
+
+@pytest.mark.parametrize(("fault", "doing"), [
+    ("gil", "its progress reporter has not run"), ("sigstop", "(stopped: SIGSTOP or SIGTSTP)"),
+])  # fmt: skip (a plain sleep: the tests below and tests/unit/test_hang_watchdog.py)
+def test_a_steady_state_hang_is_called_after_the_learned_limit_with_its_line(small_fast_limit, fault, doing):
+    started = time.monotonic()
+    with pytest.raises(errors.DistributedHangError) as info:
+        distributed(_steady_then, hang_timeout=150, timeout=140, **CPU).distributed(fault)
+    took = time.monotonic() - started
+    text = str(info.value)
+    assert took < 120, text  # the fast path, long before hang_timeout=150 s
+    assert "the limit learned from this run" in text
+    assert "rank 1 missing from all_reduce #7 [[4]], which rank 0 waits in" in text
+    assert "rank 0: waiting in all_reduce #7 [[4]]" in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("  rank 1: "))
+    assert f"# FAULT {fault}" in line and "in its own code at " in line and "test_hangs.py" in line
+    assert "after all_reduce #6 [[4]]" in line and doing in line, line
+    assert info.value.rank == 1
+
+
+def test_long_phases_and_a_busy_rank_are_never_called_hangs(small_fast_limit, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="gpufleet.launch.watchdog"):
+        out = distributed(_long_phases_and_a_busy_rank, hang_timeout=300, timeout=280, **CPU).distributed(
+            str(tmp_path / "ckpt"))
+    assert out == ["done", "done"]
+    busy = [r.getMessage() for r in caplog.records if "busy in its own code" in r.getMessage()]
+    assert busy and "rank 1 at " in busy[0] and "# BUSY numpy" in busy[0], caplog.text
+    assert "not called a hang before hang_timeout=300 s" in busy[0]
+
+
 def _run_hung(fn):
     started = time.monotonic()
     with pytest.raises(errors.DistributedHangError) as info:
@@ -75,6 +181,7 @@ def test_a_rank_sleeping_outside_the_collective_is_named_with_its_line():
     assert "rank 1 missing from all_reduce #2 [[4]], which rank 0 waits in" in text
     assert "time.sleep(600)  # rank 1 never comes to collective #2" in text  # rank 1's own line
     assert "rank 0: waiting in all_reduce #2" in text and "dist.all_reduce(t)" in text
+    assert "in its own code at " in text and "after all_reduce #1 [[4]] (idle)" in text
     assert err.rank == 1 and isinstance(err, errors.DistributedTimeoutError)
     assert "hang-report.txt" in text
 
@@ -83,6 +190,7 @@ def test_a_rank_stuck_in_a_loop_of_its_own_code_is_named():
     err, _ = _run_hung(_rank_1_loops_forever)
     assert err.rank == 1
     assert "x += 1" in str(err) and "rank 1 missing from barrier" in str(err)
+    assert "after all_reduce #1 [[2]] (busy)" in str(err)
 
 
 def test_ranks_waiting_in_different_collectives_are_called_mismatched():

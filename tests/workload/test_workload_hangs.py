@@ -45,6 +45,7 @@ def test_a_hung_workload_rank_is_named_and_the_attempt_stopped(tmp_path: Path, s
     assert rc != 0 and run.state == "TIMEDOUT", out + err
     assert "rank 1 missing from all_reduce #3 [[4]], which rank 0 waits in" in run.message
     assert "time.sleep(600)" in run.message  # rank 1's line, read with py-spy
+    assert "in its own code at " in run.message and "after all_reduce #2 [[4]] (idle)" in run.message
 
 
 def test_inject_fault_on_the_command_line_kills_a_rank(tmp_path: Path, store: RunStore, capsys) -> None:

@@ -40,6 +40,7 @@ from .integrity import (
     merge_reasons,
 )
 from .rank_state import apply_rank_state, read_rank_state, write_rank_state
+from ..launch.progress import section
 from .torch_dist import import_torch_dist, quiet_single_process
 
 if TYPE_CHECKING:
@@ -236,6 +237,10 @@ class CheckpointManager:
         Raises:
             CheckpointError: the previous asynchronous save failed.
         """
+        with section("checkpoint save"):  # a long phase: never taken for a hang
+            return self._save(step)
+
+    def _save(self, step: int) -> Path:
         path = layout.step_dir(self.root, step)
         self.wait()
         started = time.perf_counter()
@@ -348,6 +353,10 @@ class CheckpointManager:
                 each checkpoint tried and why it was skipped. The model and optimizer may then
                 hold part of a checkpoint: build them again before starting without one.
         """
+        with section("checkpoint resume"):  # a long phase: never taken for a hang
+            return self._resume()
+
+    def _resume(self) -> int | None:
         self.wait()
         listing = None
         if self.rank == 0:

@@ -33,6 +33,7 @@ from ..errors import (
 from ..states import CANCELED, FAILED, PENDING, RUNNING, SUCCESS, TIMEDOUT, RunState
 from .failures import failed_error, load_values
 from .group import GroupStartCanceled, GroupStatus, WorkerGroup
+from .watchdog import HangSettings, Verdict, Watchdog, write_note
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,12 @@ class ControllerCallback:
     def on_end(self, group: WorkerGroup, attempt: int, state: RunState, error: BaseException | None) -> None:
         """The attempt ended in ``state``; ``error`` is what the caller gets for it, if any."""
 
+    def on_watch(self, group: WorkerGroup, attempt: int, note: str | None) -> None:
+        """The hang watchdog's note changed: why a stall is not called a hang yet (None: moving again).
+
+        Called on a thread of its own: a slow hook never delays the watchdog.
+        """
+
 
 @dataclass(frozen=True)
 class AttemptOutcome:
@@ -111,9 +118,10 @@ class Controller:
         callbacks: hooks around each attempt.
         first_attempt: the number of the first attempt (calls count from 0, workloads from 1).
         timeout_subject: how the timeout error names what ran out of time ("the call").
-        hang_timeout_s: the hang watchdog: stop the attempt with a diagnosis once no rank made
-            progress (collectives, steps) for this long; None: off. It arms once a rank has
-            reported progress (a process group, or a step).
+        hang_timeout_s: the hang watchdog's long limit: stop the attempt with a diagnosis once no
+            rank made progress (collectives, steps) for this long; None: off. It arms once a rank
+            has reported progress (a process group, or a step). In the steady state a clear hang
+            is called sooner, after a limit learned from the run (:mod:`gpufleet.launch.watchdog`).
         poll_s: how long one poll may wait for news.
         settle_s: how long the other ranks may report after a first failure.
         clock: a monotonic clock (tests pass a fake one).
@@ -146,8 +154,9 @@ class Controller:
         self._first_attempt = first_attempt
         self._timeout_subject = timeout_subject
         self._hang_timeout_s = hang_timeout_s
-        self._progress_key: Any = None
-        self._progress_since = 0.0
+        self.watchdog: Watchdog | None = None
+        if hang_timeout_s is not None:
+            self.watchdog = Watchdog(HangSettings.from_env(hang_timeout_s), clock=clock)
         self._poll_s = poll_s
         self._settle_s = settle_s
         self._clock = clock
@@ -280,7 +289,8 @@ class Controller:
 
     def _watch(self, group: WorkerGroup) -> AttemptOutcome:
         """Poll the group until its attempt has an outcome."""
-        self._progress_key, self._progress_since = None, self._clock()
+        if self.watchdog is not None:
+            self.watchdog.reset()
         try:
             while True:
                 if self._cancel is not None:
@@ -302,8 +312,9 @@ class Controller:
                 left = self.time_left()
                 if left is not None and left <= 0:
                     return self._timed_out(group)
-                if self._hang_timeout_s is not None and self._stalled(status):
-                    return self._hung(group, status)
+                verdict = self._watch_progress(group, status)
+                if verdict is not None:
+                    return self._hung(group, verdict)
         except GroupStartCanceled:
             return self._canceled(group)
         except KeyboardInterrupt:
@@ -318,27 +329,21 @@ class Controller:
             error.__cause__ = e
             return AttemptOutcome(FAILED, error=error, status=status)
 
-    def _stalled(self, status: GroupStatus) -> bool:
-        """Whether no rank made progress for ``hang_timeout_s`` (once any rank reported some)."""
-        key = tuple(sorted((r, p.get("step"), p.get("seq")) for r, p in status.progress.items()))
-        if key != self._progress_key:
-            self._progress_key, self._progress_since = key, self._clock()
-            return False
-        armed = any(step or seq is not None for _, step, seq in key)
-        return armed and self._clock() - self._progress_since > (self._hang_timeout_s or 0.0)
+    def _watch_progress(self, group: WorkerGroup, status: GroupStatus) -> Verdict | None:
+        """The hang watchdog's look at this poll; what it sees meanwhile goes to the run folder."""
+        if self.watchdog is None:
+            return None
+        note = self.watchdog.note
+        verdict = self.watchdog.check(status, group)
+        if self.watchdog.note != note:
+            write_note(group.run_dir.path, self.watchdog.note)
+            threading.Thread(target=self._call_hooks, args=("on_watch", group, self.watchdog.note),
+                             name="gpufleet-watch-note", daemon=True).start()  # fmt: skip
+        return verdict
 
-    def _hung(self, group: WorkerGroup, status: GroupStatus) -> AttemptOutcome:
-        """Diagnose the hang (stacks, last collectives), then stop every rank."""
-        from .hangs import diagnose
-
-        idle = self._clock() - self._progress_since
-        stacks = group.stacks()
-        status = group.poll(0.0)
-        if group.workers_are_ranks:
-            num_ranks, finished = status.num_ranks, frozenset(status.results)
-        else:  # a workload's nodes: the ranks are the ones that reported progress
-            num_ranks, finished = max([group.spec.world_size, *(r + 1 for r in status.progress)]), frozenset()
-        found = diagnose(status.progress, stacks, num_ranks, idle, finished)
+    def _hung(self, group: WorkerGroup, verdict: Verdict) -> AttemptOutcome:
+        """Report the hang (diagnosed with stacks and each rank's activity), then stop every rank."""
+        found, idle = verdict.found, verdict.idle_s
         report = group.run_dir.path / "hang-report.txt"
         try:
             report.write_text(found.report)
@@ -450,6 +455,9 @@ class Controller:
     def _call_hooks(self, name: str, group: WorkerGroup, *args: Any) -> None:
         for callback in self._callbacks:
             try:
-                getattr(callback, name)(group, self.attempt, *args)
+                hook = getattr(callback, name, None)
+                if hook is None and name == "on_watch":
+                    continue  # a hook added after some callbacks were written
+                hook(group, self.attempt, *args)  # type: ignore[misc]
             except Exception as e:  # tracking trouble never changes the run's outcome
                 logger.warning("run %s: %s hook of %s failed: %s", group.run_id, name, type(callback).__name__, e)

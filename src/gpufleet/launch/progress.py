@@ -3,7 +3,8 @@
 The controller's hang watchdog reads what this module writes into the run folder:
 ``progress-R.json`` (rewritten every few seconds by a daemon thread: the step count, the
 process group's sequence number, and the last collectives from torch's flight recorder where it
-records them) and ``stacks-R.txt`` (every thread's stack, written by faulthandler when the
+records them; also the rank's pid, its CPU seconds, its process group's backend, its GPU's
+utilisation where NVML reads it, and the long sections it is in, :func:`section`) and ``stacks-R.txt`` (every thread's stack, written by faulthandler when the
 rank gets SIGUSR2, even while it is blocked inside a collective). Steps are counted where
 gpufleet sees them (its data loader, ``prepare()``'s optimizer step, ``runtime.report_step``).
 Importing this module imports nothing heavy; torch is only looked at once the rank imported it.
@@ -32,13 +33,15 @@ _optimizer_steps = 0
 _reported: int | None = None
 _stack_file: Any = None
 _started = False
+_sections: list[dict[str, Any]] = []
+_progress_path: Path | None = None
 
 
 def watchdog_env(hang_timeout_s: float | None) -> dict[str, str]:
     """What the ranks need for the hang watchdog: progress files often enough, and torch's flight recorder."""
     if hang_timeout_s is None:
         return {}
-    interval = min(2.0, max(0.2, hang_timeout_s / 10))
+    interval = min(1.0, max(0.2, hang_timeout_s / 10))
     return {PROGRESS_INTERVAL_ENV: f"{interval:g}", "TORCH_FR_BUFFER_SIZE": "64"}  # torch's flight recorder
 
 
@@ -89,6 +92,7 @@ def _collective_state() -> dict[str, Any]:
             return {}
         group = dist.distributed_c10d._get_default_group()
         state: dict[str, Any] = {"seq": int(group._get_sequence_number_for_group())}
+        state["backend"] = str(group._get_backend_name())
     except Exception:  # noqa: BLE001 - a backend without sequence numbers
         return {}
     if os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"):
@@ -113,9 +117,26 @@ def _collective_state() -> dict[str, Any]:
     return state
 
 
+def _gpu_util() -> int | None:
+    """This rank's GPU utilisation (percent, NVML) once the rank uses CUDA; None where unknown."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_initialized():
+            return None
+        return int(torch.cuda.utilization(torch.cuda.current_device()))
+    except Exception:  # noqa: BLE001 - no NVML: unknown
+        return None
+
+
 def write_progress(path: Path) -> None:
     """Write this rank's progress file once (atomically)."""
-    record = {"time": time.time(), "step": step_count(), **_collective_state()}
+    with _lock:
+        sections = [dict(s) for s in _sections]
+    record: dict[str, Any] = {"time": time.time(), "step": step_count(), **_collective_state(),
+                              "pid": os.getpid(), "cpu_s": round(time.process_time(), 3), "sections": sections}  # fmt: skip
+    gpu = _gpu_util()
+    if gpu is not None:
+        record["gpu_util"] = gpu
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
@@ -125,6 +146,56 @@ def reset() -> None:
     """Start counting afresh (a warm worker's next call)."""
     global _batches, _optimizer_steps, _reported
     _batches, _optimizer_steps, _reported = 0, 0, None
+    with _lock:
+        _sections.clear()
+
+
+def _write_now() -> None:
+    """Rewrite the progress file at once (a section began or ended), where progress is watched."""
+    folder = os.environ.get("GPUFLEET_RUN_DIR")
+    if _progress_path is None or not folder:
+        return
+    try:
+        write_progress(Path(folder) / _progress_path.name)
+    except Exception:  # noqa: BLE001 - never disturb the rank
+        pass
+
+
+def enter_section(name: str, limit_s: float | None = None) -> dict[str, Any]:
+    """This rank begins a long section (the hang watchdog's fast path is off while any rank is in one)."""
+    entry = {"name": str(name), "since": time.time(), "limit_s": limit_s}
+    with _lock:
+        _sections.append(entry)
+    _write_now()
+    return entry
+
+
+def leave_section(entry: dict[str, Any]) -> None:
+    """The section begun with :func:`enter_section` ended."""
+    with _lock:
+        if entry in _sections:
+            _sections.remove(entry)
+    _write_now()
+
+
+class section:  # noqa: N801 - used as a context manager, like contextlib's
+    """``with section("eval"): ...``: a long phase the hang watchdog never takes for a hang (see runtime.section)."""
+
+    def __init__(self, name: str, limit_s: float | None = None) -> None:
+        if limit_s is not None and (isinstance(limit_s, bool) or not isinstance(limit_s, (int, float))
+                                    or not limit_s > 0):  # fmt: skip
+            raise ValueError(f"a section's limit_s must be a positive number of seconds or None, got {limit_s!r}")
+        self.name, self.limit_s = name, limit_s
+        self._entry: dict[str, Any] | None = None
+
+    def __enter__(self) -> section:
+        self._entry = enter_section(self.name, self.limit_s)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._entry is not None:
+            leave_section(self._entry)
+            self._entry = None
 
 
 def start(rank: int, stacks_dir: str | None = None) -> None:
@@ -144,7 +215,8 @@ def start(rank: int, stacks_dir: str | None = None) -> None:
     folder = os.environ.get("GPUFLEET_RUN_DIR")
     if not folder or not os.environ.get(PROGRESS_INTERVAL_ENV):
         return
-    global _stack_file
+    global _stack_file, _progress_path
+    _progress_path = Path(f"progress-{rank}.json")
     _stack_file = open(Path(stacks_dir or folder) / f"stacks-{rank}.txt", "a", opener=_private)  # noqa: SIM115 - kept open
     faulthandler.register(STACKS_SIGNAL, file=_stack_file, all_threads=True, chain=False)
     interval = float(os.environ.get(PROGRESS_INTERVAL_ENV, "2"))

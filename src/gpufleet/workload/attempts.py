@@ -148,6 +148,10 @@ class AttemptRecorder(ControllerCallback):
             self.run.id, attempt, state=end.state, ended_at=time.time(), exit_code=end.exit_code, message=end.message
         )
 
+    def on_watch(self, group: WorkerGroup, attempt: int, note: str | None) -> None:
+        """The hang watchdog's note (a busy rank while the others wait) is the running workload's message."""
+        self.store.update_run(self.run.id, message=note)
+
 
 class WorkloadTracking(ControllerCallback):
     """One MLflow run per attempt: parameters, the workload as an artifact, node logs, the status.

@@ -317,9 +317,11 @@ class WorkloadConfig(_Strict):
         gt=0,
         le=525600,
         description=(
-            "The hang watchdog: stop an attempt with a diagnosis (the rank missing from the collective "
-            "the others wait in, each rank's line) once no rank made progress for this long. Ranks report "
-            "progress when they use gpufleet (runtime.setup(), its data loader, prepare()); null: off."
+            "The hang watchdog's long limit: stop an attempt with a diagnosis (the rank missing from the "
+            "collective the others wait in, each rank's line) once no rank made progress for this long. "
+            "In the steady state a clear hang (a rank the others wait for that does nothing) is called "
+            "sooner, after a limit learned from the steps (docs/hangs.md). Ranks report progress when "
+            "they use gpufleet (runtime.setup(), its data loader, prepare()); null: off."
         ),
         examples=[10],
     )
