@@ -9,6 +9,7 @@ import tempfile
 import pytest
 
 from tests.security.second_user import make_second_user, remove_second_user
+from tests.workload.conftest import home, store  # noqa: F401 - the workload tests' private store
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +26,4 @@ def shared_tmp():
     os.chmod(path, 0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
