@@ -21,9 +21,9 @@ def second_user():
 
 @pytest.fixture
 def shared_tmp():
-    """A folder under /tmp that other users may enter (tmp_path's parents are root's alone)."""
+    """A folder like /tmp (root's, 1777) that the second user can reach (tmp_path's parents are root's alone)."""
     path = tempfile.mkdtemp(prefix="gpufleet-shared-")
-    os.chmod(path, 0o755)
+    os.chmod(path, 0o1777)
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
