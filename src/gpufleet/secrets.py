@@ -34,6 +34,7 @@ __all__ = [
 #: Names (comma-separated) of the environment variables of a process that hold secrets.
 SECRETS_ENV = "GPUFLEET_SECRETS"
 MASK = "***"
+MAX_SECRET_BYTES = 1 << 20
 SOURCES = ("env", "file")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -71,9 +72,11 @@ def read_secret(name: str, source: Mapping[str, str], base_dir: Path | None = No
         if value is None:
             raise SecretError(f"secret {name}: the environment variable {where} is not set")
     else:
+        from .smallfiles import read_small_file
+
         path = _path(where, base_dir)
         try:
-            data = path.read_bytes()
+            data = read_small_file(path, MAX_SECRET_BYTES)  # a FIFO or /dev/zero is refused, not read
         except OSError as e:
             raise SecretError(f"secret {name}: cannot read {path}: {e.strerror or e}") from None
         try:

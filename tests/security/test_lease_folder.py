@@ -26,7 +26,7 @@ GPUS = [GPUInfo(0, "Fake GPU", "GPU-fake-0000", 1 << 30), GPUInfo(1, "Fake GPU",
 def _no_nvml(monkeypatch):
     monkeypatch.setenv("GPUFLEET_IGNORE_FOREIGN_GPU_PROCESSES", "1")
     monkeypatch.delenv("GPUFLEET_LEASE_DIR", raising=False)
-    monkeypatch.setattr(leases, "_warned_private", False)
+    monkeypatch.setattr(leases, "_warned_private", False, raising=False)
 
 
 def _as(user, *argv: str) -> None:
