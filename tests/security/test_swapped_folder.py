@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +19,6 @@ ATTACK = Path(__file__).with_name("swap_attack.py")
 
 def _slow_rank(started: str = "") -> int:
     import os
-    import time
 
     if started and os.environ["RANK"] == "0":
         open(started, "w").close()

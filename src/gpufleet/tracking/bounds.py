@@ -97,7 +97,7 @@ def _probe(uri: str, timeout_s: float) -> str | None:
         if "ssl" in type(reason).__module__.lower() or "certificate" in str(reason).lower():
             return None  # it speaks TLS: MLflow's own TLS settings decide
         return f"the tracking server {uri} cannot be reached ({reason})"
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         return f"the tracking server {uri} accepted a connection but did not answer within {timeout_s:g} s"
     except (ConnectionError, OSError, ValueError) as e:  # reset, closed without an answer, a bad URL
         return f"the tracking server {uri} gave no answer ({type(e).__name__}: {e})"
