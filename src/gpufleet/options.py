@@ -12,6 +12,10 @@ from .errors import LaunchConfigError
 __all__ = ["LaunchOptions", "make_options"]
 
 
+#: The shortest hang watchdog (seconds): ranks write their progress every 0.2 s at the most often.
+MIN_HANG_TIMEOUT_S = 1.0
+
+
 @dataclass(frozen=True)
 class LaunchOptions:
     """Settings of a distributed function (what ``@distributed(...)`` was given)."""
@@ -66,8 +70,14 @@ class LaunchOptions:
             raise LaunchConfigError("env must be a dict of str to str (environment variables for every rank)")
         if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
             raise LaunchConfigError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
-        if not isinstance(self.grace_period_s, (int, float)) or self.grace_period_s < 0:
-            raise LaunchConfigError(f"grace_period_s must be >= 0, got {self.grace_period_s!r}")
+        if (
+            isinstance(self.grace_period_s, bool) or not isinstance(self.grace_period_s, (int, float))
+            or not math.isfinite(self.grace_period_s) or self.grace_period_s < 0
+        ):  # nan would skip the wait before SIGKILL, inf would never stop a rank that ignores SIGTERM
+            raise LaunchConfigError(
+                f"grace_period_s must be a finite number of seconds >= 0 (how long SIGTERM may take before "
+                f"SIGKILL), got {self.grace_period_s!r}"
+            )
         if not isinstance(self.tracking, bool):
             raise LaunchConfigError(f"tracking must be True or False, got {self.tracking!r}")
         if self.experiment_name is not None and (
@@ -78,11 +88,11 @@ class LaunchOptions:
             )
         if self.hang_timeout is not None and (
             isinstance(self.hang_timeout, bool) or not isinstance(self.hang_timeout, (int, float))
-            or not math.isfinite(self.hang_timeout) or self.hang_timeout <= 0
-        ):
+            or not math.isfinite(self.hang_timeout) or self.hang_timeout < MIN_HANG_TIMEOUT_S
+        ):  # ranks report progress every 0.2-2 s: a shorter watchdog would call every rank hung
             raise LaunchConfigError(
-                f"hang_timeout must be a positive number of seconds without progress, or None to turn the hang "
-                f"watchdog off; got {self.hang_timeout!r}"
+                f"hang_timeout must be a number of seconds without progress of at least {MIN_HANG_TIMEOUT_S:g}, "
+                f"or None to turn the hang watchdog off; got {self.hang_timeout!r}"
             )
         from .faults import check_fit, parse_faults
 

@@ -5,17 +5,26 @@ folder another user owns or may write to would let that user run code as the cal
 state folder is checked before anything is read from it: it must be a folder, owned by the
 current user and not writable by group or others. A folder of ours that others may read (made
 by an older version, or by hand) is tightened to 0700 on the spot.
+
+The folder's own mode is not enough: whoever may write to one of its parents can rename it away
+during a call and put a folder of their own in its place, under the same path. So every folder
+on the way to it (each link followed and its own folder checked too) must belong to the user or
+to root and be writable by nobody else, unless it is sticky (``/tmp``: others may not rename
+what is ours there) or its group holds the user alone (a user-private group). These rules hold
+until the user or root changes them, so a path checked once stays safe for the call. See
+``docs/security.md``.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+from collections import deque
 from pathlib import Path
 
 from .errors import GpufleetError
 
-__all__ = ["UnsafeStateError", "private_dir", "private_file_opener"]
+__all__ = ["UnsafeStateError", "check_parents", "private_dir", "private_file_opener"]
 
 
 class UnsafeStateError(GpufleetError, PermissionError):
@@ -31,6 +40,82 @@ def _owner_name(uid: int) -> str:
         return f"uid {uid}"
 
 
+def _group_is_mine_alone(gid: int) -> bool:
+    """Whether nobody but the current user belongs to group ``gid`` (a user-private group)."""
+    try:
+        import grp
+        import pwd
+
+        me = pwd.getpwuid(os.geteuid()).pw_name
+        if set(grp.getgrgid(gid).gr_mem) - {me}:
+            return False
+        return not any(u.pw_gid == gid and u.pw_uid != os.geteuid() for u in pwd.getpwall())
+    except (KeyError, ImportError, OSError):
+        return False
+
+
+def _check_parent(folder: str, st: os.stat_result, target: Path, what: str) -> None:
+    """Refuse ``folder`` (a folder on the way to ``target``) when someone else could swap what is in it."""
+    me = os.geteuid()
+    if st.st_uid not in (0, me):
+        raise UnsafeStateError(
+            f"{what} {target} lies inside {folder}, which is owned by {_owner_name(st.st_uid)}: that user can "
+            f"rename {target} away during a call and put a folder of their own in its place, whose pickled results "
+            "gpufleet would read. Use a folder whose every parent is yours (or root's): set GPUFLEET_HOME "
+            "(or runs_dir)."
+        )
+    others = st.st_mode & stat.S_IWOTH
+    group = st.st_mode & stat.S_IWGRP and not _group_is_mine_alone(st.st_gid)
+    if (others or group) and not st.st_mode & stat.S_ISVTX:
+        raise UnsafeStateError(
+            f"{what} {target} lies inside {folder}, which {'others' if others else 'its group'} may write to "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}): they can rename {target} away during a call and put a folder "
+            "of their own in its place, whose pickled results gpufleet would read. Use a folder whose parents only "
+            f"you can write to (set GPUFLEET_HOME or runs_dir), or make {folder} sticky (chmod +t, as /tmp is)."
+        )
+
+
+def check_parents(path: str | os.PathLike[str], what: str = "gpufleet's state folder") -> None:
+    """Check every existing folder on the way to ``path`` (links followed, each link's folder too).
+
+    Raises:
+        UnsafeStateError: one of them belongs to another user (not root) or may be written by
+            others (and is not sticky), so the folder at ``path`` could be swapped under it.
+    """
+    target = Path(os.path.abspath(path))
+    parts = deque(target.parts[1:])
+    current = "/"
+    _check_parent(current, os.stat(current), target, what)
+    links = 0
+    while parts:
+        name = parts.popleft()
+        if name in ("", "."):
+            continue
+        if name == "..":
+            current = os.path.dirname(current)
+            continue
+        nxt = os.path.join(current, name)
+        try:
+            st = os.lstat(nxt)
+        except (FileNotFoundError, NotADirectoryError):
+            return  # the rest is created by us, inside a folder that was checked
+        if stat.S_ISLNK(st.st_mode):
+            links += 1
+            if links > 40:
+                raise UnsafeStateError(f"{what} {target}: too many links on the way to it.")
+            dest = os.readlink(nxt)
+            if os.path.isabs(dest):
+                current = "/"
+            parts.extendleft(reversed(Path(dest).parts[1:] if os.path.isabs(dest) else Path(dest).parts))
+            continue
+        if not parts:
+            return  # the last name, after links: the folder itself, which private_dir checks
+        if not stat.S_ISDIR(st.st_mode):
+            return  # mkdir names the file in its error
+        current = nxt
+        _check_parent(current, st, target, what)
+
+
 def private_dir(path: str | os.PathLike[str], what: str = "gpufleet's state folder") -> Path:
     """Create ``path`` (0700) or check an existing one; returns it.
 
@@ -39,6 +124,7 @@ def private_dir(path: str | os.PathLike[str], what: str = "gpufleet's state fold
             write to it; or it cannot be written. Nothing was read from it.
     """
     p = Path(path)
+    check_parents(p, what)
     try:
         p.mkdir(parents=True, mode=0o700)
         os.chmod(p, 0o700)  # mkdir's mode is filtered by the umask
@@ -48,9 +134,9 @@ def private_dir(path: str | os.PathLike[str], what: str = "gpufleet's state fold
     except NotADirectoryError as e:
         raise UnsafeStateError(f"{what} {p} cannot be created: a part of its path is a file ({e}). Set GPUFLEET_HOME "
                                "(or runs_dir) to a folder.") from e  # fmt: skip
-    except PermissionError as e:
-        raise UnsafeStateError(f"{what} {p} cannot be created: {e.strerror}. Set GPUFLEET_HOME (or runs_dir) to a "
-                               "folder you can write to.") from e  # fmt: skip
+    except OSError as e:  # no permission, a read-only file system, ...
+        raise UnsafeStateError(f"{what} {p} cannot be created: {e.strerror or e}. Set GPUFLEET_HOME (or runs_dir) "
+                               "to a folder you can write to.") from e  # fmt: skip
     st = p.lstat()
     if stat.S_ISLNK(st.st_mode):
         st = p.stat()

@@ -30,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .launch.controller import ControllerCallback
@@ -157,10 +158,12 @@ def placement_of(group: WorkerGroup) -> dict[str, Any]:
     return {"nodes": group.num_nodes, "hosts": list(getattr(group, "cluster_hosts", []) or [])}
 
 
-def _message(error: BaseException | None) -> str | None:
+def _message(error: BaseException | None, env: Mapping[str, str]) -> str | None:
     if error is None:
         return None
-    text = f"{type(error).__name__}: {error}"
+    from .secrets import mask_env_secrets
+
+    text = mask_env_secrets(f"{type(error).__name__}: {error}", env)  # the call's exception may quote a secret
     return text if len(text) <= _MESSAGE_CHARS else text[: _MESSAGE_CHARS - 3] + "..."
 
 
@@ -277,7 +280,7 @@ class CallRecorder(ControllerCallback):
             return
         if isinstance(error, KeyboardInterrupt):
             state = CANCELED
-        message = _message(error)
+        message = _message(error, group.spec.env)
         if state == CANCELED and isinstance(error, KeyboardInterrupt):
             message = "interrupted (KeyboardInterrupt) in the calling process"
         db = self._store.with_wait(max(self._store.wait_s, END_WAIT_S))

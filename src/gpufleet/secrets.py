@@ -4,7 +4,9 @@ A secret is named by the variable it becomes (``HF_TOKEN``) and read from one so
 ``{"env": "NAME"}`` (a variable of the submitting process) or ``{"file": "PATH"}`` (a file's
 content, without its last line end; ``~`` is expanded, a relative path starts at ``base_dir``).
 The values never go into a file gpufleet writes, the run store, MLflow or printed output;
-gpufleet masks them as ``***`` in the logs it copies. The names of the variables that hold
+gpufleet masks them as ``***`` in the logs it copies, and in the error messages it stores (the
+run store's message, MLflow's ``error.txt``: :func:`mask_env_secrets`), where a failing call's
+own exception may quote one (``raise PermissionError(f"401 for {token}")``). The names of the variables that hold
 secrets travel in :data:`SECRETS_ENV` (names only), so the processes that copy a node's
 output know what to mask.
 """
@@ -23,6 +25,7 @@ __all__ = [
     "SECRETS_ENV",
     "SecretError",
     "mask",
+    "mask_env_secrets",
     "read_secrets",
     "secret_files",
     "source_problems",
@@ -31,6 +34,7 @@ __all__ = [
 #: Names (comma-separated) of the environment variables of a process that hold secrets.
 SECRETS_ENV = "GPUFLEET_SECRETS"
 MASK = "***"
+MAX_SECRET_BYTES = 1 << 20
 SOURCES = ("env", "file")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -68,9 +72,11 @@ def read_secret(name: str, source: Mapping[str, str], base_dir: Path | None = No
         if value is None:
             raise SecretError(f"secret {name}: the environment variable {where} is not set")
     else:
+        from .smallfiles import read_small_file
+
         path = _path(where, base_dir)
         try:
-            data = path.read_bytes()
+            data = read_small_file(path, MAX_SECRET_BYTES)  # a FIFO or /dev/zero is refused, not read
         except OSError as e:
             raise SecretError(f"secret {name}: cannot read {path}: {e.strerror or e}") from None
         try:
@@ -125,3 +131,15 @@ def mask(text: str, values: Iterable[str]) -> str:
     for value in sorted({v for v in values if v}, key=len, reverse=True):
         text = text.replace(value, MASK)
     return text
+
+
+def env_secret_values(env: Mapping[str, str]) -> list[str]:
+    """The secret values of an environment made by :func:`secret_env` (those :data:`SECRETS_ENV` names)."""
+    names = [n for n in env.get(SECRETS_ENV, "").split(",") if n]
+    return [env[n] for n in names if env.get(n)]
+
+
+def mask_env_secrets(text: str, env: Mapping[str, str]) -> str:
+    """``text`` with the secrets of ``env`` (a run's environment, see :func:`secret_env`) masked."""
+    values = env_secret_values(env)
+    return mask(text, values) if values else text

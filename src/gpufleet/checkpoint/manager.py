@@ -62,6 +62,16 @@ class _LoadPlan:
     rank_state: dict[str, Any] | None
 
 
+def _check_root(root: Path) -> None:
+    """Refuse a checkpoint root that is a file, or lies under one."""
+    for p in (root, *root.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is a file" if p == root else f"lies under {p}, which is a file"
+                raise CheckpointError(f"the checkpoint folder {root} {what}, not a folder; give root= a folder path")
+            return
+
+
 class CheckpointManager:
     """Save and resume the whole training state in ``<root>/step-N`` folders.
 
@@ -110,6 +120,7 @@ class CheckpointManager:
 
     Raises:
         ValueError: a wrong argument (the message says which).
+        CheckpointError: ``root`` (or a folder on its way) is a file, or it cannot be created.
     """
 
     def __init__(
@@ -132,6 +143,7 @@ class CheckpointManager:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be an integer >= 1 or None (keep all), got {keep_last!r}")
         self.root = Path(root).expanduser().absolute()
+        _check_root(self.root)  # on every rank, before any collective
         self.model = model
         self.deepspeed = model is not None and is_deepspeed_engine(model)
         optimizers = [] if optimizer is None else list(optimizer) if isinstance(optimizer, Sequence) else [optimizer]
@@ -166,7 +178,11 @@ class CheckpointManager:
         if async_save:
             self._stager = make_stager(pinned_staging)
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # no permission, a read-only file system, a file on the way
+                raise CheckpointError(f"the checkpoint folder {self.root} cannot be created: {e.strerror or e}; choose "
+                                      "a folder you can write to (root=)") from None  # fmt: skip
 
     # -- queries --------------------------------------------------------------------------
     def checkpoints(self) -> list[layout.CheckpointInfo]:

@@ -16,9 +16,15 @@ gpufleet" and are not taken (``GPUFLEET_IGNORE_FOREIGN_GPU_PROCESSES=1`` takes t
 
 The folder: ``$GPUFLEET_LEASE_DIR``, else ``<tmp>/gpufleet-gpu-leases``, created
 ``1777`` like ``/tmp`` itself, so every user creates lock files there and none can delete
-another's. Lock files are ``0666`` so that any user can lock them and write their holder; a
-lock file is opened without following symlinks and used only when it is a plain file with a
-single link. With fake GPUs (``GPUFLEET_FAKE_GPUS``, the test override of discovery) the
+another's. Its owner could (a sticky folder's owner may rename anything in it), so a folder
+that belongs to another user (not root) is not used: ``$GPUFLEET_LEASE_DIR`` is then an error,
+and the default gives way to a private folder (``$GPUFLEET_HOME/gpu-leases``, with a warning:
+that user's runs are then seen only through NVML). Lock files are ``0666`` so that any user can
+lock them and write their holder; a lock file is opened without following symlinks, without
+blocking (a FIFO) and used only when it is a plain file with a single link. One that is not (a
+link, a FIFO, a second link, one its maker keeps unreadable) makes its GPU busy, naming who
+made it, instead of failing every lease; only its maker or root can remove it. What a holder
+record says is escaped before it is printed (:func:`gpufleet.printable.printable`). With fake GPUs (``GPUFLEET_FAKE_GPUS``, the test override of discovery) the
 default folder is ``$GPUFLEET_HOME/gpu-leases-fake``, so test sessions do not share fake GPUs.
 
 One concern past 400 lines: the lease protocol itself (lock files, holders, waiting and
@@ -45,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import GPUUnavailableError, LaunchConfigError
+from ..printable import printable
 from .gpu_processes import ForeignProcess, foreign_processes
 from .gpus import FAKE_GPUS_ENV, GPUInfo, list_gpus
 
@@ -61,6 +68,19 @@ _MAX_INFO = 4096
 
 class LeaseDirError(LaunchConfigError):
     """The machine-wide lease folder (or a lock file in it) cannot be used safely."""
+
+
+class PlantedLockError(LeaseDirError):
+    """A GPU's lock file is not a plain file of one link (or cannot be read): its GPU cannot be leased."""
+
+
+def _owner(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (KeyError, ImportError):
+        return f"uid {uid}"
 
 
 def user_name() -> str:
@@ -102,10 +122,10 @@ class Holder:
 
     @classmethod
     def parse(cls, data: bytes) -> Holder | None:
-        try:
+        try:  # any user may write a lock file: nothing in it reaches a terminal unescaped
             d = json.loads(data.decode("utf-8"))
-            return cls(str(d["run_id"]), str(d["kind"]), int(d["pid"]), str(d["user"]), float(d["since"]),
-                       str(d.get("host", "")))  # fmt: skip
+            return cls(printable(str(d["run_id"])), printable(str(d["kind"])), int(d["pid"]), printable(str(d["user"])),
+                       float(d["since"]), printable(str(d.get("host", ""))))  # fmt: skip
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             return None
 
@@ -118,17 +138,18 @@ class GpuUse:
     held: bool = False
     holder: Holder | None = None
     foreign: tuple[ForeignProcess, ...] = ()
+    blocked: str = ""  # why its lock file cannot be used (see PlantedLockError)
 
     @property
     def free(self) -> bool:
-        return not self.held and not self.foreign
+        return not self.held and not self.foreign and not self.blocked
 
     def describe(self) -> str:
-        what = []
+        what = [self.blocked] if self.blocked else []
         if self.held:
             what.append(self.holder.describe() if self.holder else "a gpufleet run whose details cannot be read")
         what.extend(p.describe() for p in self.foreign)
-        return f"GPU {self.gpu.index}: " + ("; ".join(what) or "free")
+        return printable(f"GPU {self.gpu.index}: " + ("; ".join(what) or "free"))  # process names, too, are anyone's
 
 
 @dataclass(frozen=True)
@@ -153,11 +174,47 @@ class GpuRequest:
 # ------------------------------------------------------------------ the folder and its lock files
 
 
+_warned_private = False
+
+
+def _private_lease_dir(shared: Path, owner: int) -> Path:
+    """The user's own lease folder, used when the machine-wide one belongs to another user."""
+    global _warned_private
+    from ..private import private_dir
+    from ..results import gpufleet_home
+
+    path = private_dir(private_dir(gpufleet_home()) / "gpu-leases", "the private GPU lease folder")
+    if not _warned_private:
+        _warned_private = True
+        import warnings
+
+        warnings.warn(
+            f"the GPU lease folder {shared} belongs to {_owner(owner)}, who could rename its lock files and make "
+            f"two runs share a GPU; gpufleet leases in {path} instead, so that user's runs are seen only through "
+            f"NVML. An administrator can make the shared folder root's (`sudo chown root {shared}`), or set "
+            f"{LEASE_DIR_ENV} to a folder root made with mode 1777.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return path
+
+
 def lease_dir() -> Path:
-    """The machine-wide lease folder, created ``1777`` when missing, checked when present."""
+    """The machine-wide lease folder, created ``1777`` when missing, checked when present.
+
+    Raises:
+        LeaseDirError: it cannot be created, is no folder, or ``$GPUFLEET_LEASE_DIR`` names a folder
+            of another user (or one inside a folder others may write to).
+    """
     value = os.environ.get(LEASE_DIR_ENV)
     if value:
         path = Path(value)
+        from ..private import UnsafeStateError, check_parents
+
+        try:
+            check_parents(path, "the GPU lease folder")
+        except UnsafeStateError as e:
+            raise LeaseDirError(f"{e} ({LEASE_DIR_ENV})") from e
     elif os.environ.get(FAKE_GPUS_ENV):
         from ..private import private_dir
         from ..results import gpufleet_home
@@ -178,10 +235,24 @@ def lease_dir() -> Path:
     if not stat.S_ISDIR(st.st_mode):
         raise LeaseDirError(f"the GPU lease folder {path} is not a folder (a link or a file); remove it, or set "
                             f"{LEASE_DIR_ENV} to another folder")  # fmt: skip
-    if st.st_uid not in (os.geteuid(), 0) and not st.st_mode & stat.S_ISVTX and st.st_mode & 0o022:
-        raise LeaseDirError(f"the GPU lease folder {path} belongs to uid {st.st_uid} and lets others replace its "
-                            f"files (it is writable without the sticky bit); its owner should `chmod 1777 {path}`")  # fmt: skip
+    if st.st_uid not in (os.geteuid(), 0):
+        if value:
+            raise LeaseDirError(f"the GPU lease folder {path} ({LEASE_DIR_ENV}) belongs to {_owner(st.st_uid)}, who "
+                                "could rename its lock files and make two runs share a GPU; use a folder root made "
+                                "with mode 1777, or one of your own")  # fmt: skip
+        return _private_lease_dir(path, st.st_uid)
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise LeaseDirError(f"the GPU lease folder {path} lets others replace its files (it is writable without "
+                            f"the sticky bit); `chmod 1777 {path}`")  # fmt: skip
     return path
+
+
+def _planted(path: Path, what: str) -> PlantedLockError:
+    try:
+        maker = f", made by {_owner(os.lstat(path).st_uid)}"
+    except OSError:
+        maker = ""
+    return PlantedLockError(f"its lock file {path} is {what}{maker}; only they or root can remove it")
 
 
 def _lock_path(folder: Path, gpu: GPUInfo) -> Path:
@@ -191,7 +262,7 @@ def _lock_path(folder: Path, gpu: GPUInfo) -> Path:
 
 def _open_lock(path: Path) -> int:
     """Open (or create, 0666) a lock file, never through a link; its fd."""
-    flags = os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO planted there must not block the open
     fd = -1
     for _ in range(5):
         try:  # an existing file is opened without O_CREAT (fs.protected_regular refuses that for another's file)
@@ -205,11 +276,14 @@ def _open_lock(path: Path) -> int:
             except FileExistsError:
                 continue
         except PermissionError:  # someone made it read-only: it still locks
-            fd = os.open(path, os.O_RDONLY | flags)
+            try:
+                fd = os.open(path, os.O_RDONLY | flags)
+            except PermissionError as e:
+                raise _planted(path, "unreadable") from e
             break
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise LeaseDirError(f"the GPU lock file {path} is a symbolic link; remove it") from e
+                raise _planted(path, "a symbolic link") from e
             raise LeaseDirError(f"the GPU lock file {path} cannot be opened: {e.strerror}; the folder must be "
                                 f"writable by every user of the GPUs (chmod 1777), or set {LEASE_DIR_ENV}") from e  # fmt: skip
     if fd < 0:
@@ -217,7 +291,7 @@ def _open_lock(path: Path) -> int:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
         os.close(fd)
-        raise LeaseDirError(f"the GPU lock file {path} is not a plain file with one link; remove it")
+        raise _planted(path, "not a plain file" if not stat.S_ISREG(st.st_mode) else "a second link to another file")
     return fd
 
 
@@ -304,7 +378,11 @@ def try_lease(
             if foreign.get(g.uuid):
                 busy.append(GpuUse(g, foreign=foreign[g.uuid]))
                 continue
-            fd = _open_lock(_lock_path(folder, g))
+            try:
+                fd = _open_lock(_lock_path(folder, g))
+            except PlantedLockError as e:
+                busy.append(GpuUse(g, blocked=str(e)))
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -410,11 +488,13 @@ def gpu_uses(gpus: Sequence[GPUInfo] | None = None) -> list[GpuUse]:
     uses = []
     for g in gpus:
         path = _lock_path(folder, g)
-        held, holder = False, None
+        held, holder, blocked = False, None, ""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = _open_lock(path) if os.path.lexists(path) else -1  # -1: never leased
+        except PlantedLockError as e:
+            fd, blocked = -1, str(e)
         except OSError:
-            fd = -1  # never leased
+            fd = -1
         if fd >= 0:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -423,5 +503,5 @@ def gpu_uses(gpus: Sequence[GPUInfo] | None = None) -> list[GpuUse]:
                 held, holder = True, _read_holder(fd)
             finally:
                 os.close(fd)
-        uses.append(GpuUse(g, held, holder, foreign.get(g.uuid, ())))
+        uses.append(GpuUse(g, held, holder, foreign.get(g.uuid, ()), blocked))
     return uses

@@ -40,6 +40,20 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=loop, name="gpufleet-parent-watch", daemon=True).start()
 
 
+def _adopt_orphans() -> None:
+    """Become the subreaper of what the call starts, and stop it at exit (see :mod:`gpufleet.workload.adopted`).
+
+    Registered first, the exit handler runs last: after the call's own handlers shut their
+    helpers down (compile workers, data loaders), what is still running is stopped.
+    """
+    import atexit
+
+    from ..workload.adopted import become_subreaper, stop_descendants
+
+    if become_subreaper():
+        atexit.register(stop_descendants)
+
+
 def _describe_exception(exc: BaseException) -> dict[str, Any]:
     import cloudpickle
 
@@ -235,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parent = os.environ.get(PARENT_PID_ENV)
     if parent:
         _watch_parent(int(parent))
+    _adopt_orphans()
     faulthandler.enable()  # a segfault prints the Python stack into the rank's log
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stack dump into the log at a timeout
     from . import progress

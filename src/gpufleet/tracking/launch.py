@@ -239,6 +239,8 @@ class TrackingCallback(ControllerCallback):
             tracked.log_params({"gpufleet.num_nodes": group.num_nodes})
         tracked.log_artifacts(sorted(group.run_dir.path.glob("rank-*.log")), "logs")
         if error is not None and state in ("FAILED", "TIMEDOUT"):  # root cause, remote traceback, other ranks
+            from ..secrets import mask_env_secrets
+
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-            tracked.log_text(text, "error.txt")
+            tracked.log_text(mask_env_secrets(text, group.spec.env), "error.txt")  # it may quote a secret
         tracked.end(state)

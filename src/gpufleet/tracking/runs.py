@@ -27,6 +27,7 @@ from types import TracebackType
 from typing import Any
 
 from ..results import gpufleet_home
+from .bounds import TrackingStalledError, bounded, unreachable
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +222,7 @@ class TrackedRun:
         self._sampler: Any = None
         self._status: str | None = None
         self._ended = False
+        self._stalled = False
         self._lock = threading.Lock()
         if run_id is not None:
             _open_runs.add(self)
@@ -243,11 +245,21 @@ class TrackedRun:
         return tracking_env(self.run_id, str(self.tracking_uri), self.experiment_id, self.experiment_name)
 
     def _safely(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
-        """Run an MLflow call; a tracking failure is logged, never raised into training."""
+        """Run an MLflow call; a tracking failure is logged, never raised into training.
+
+        Each call is bounded (:func:`~gpufleet.tracking.bounds.bounded`); once one stalled, the
+        store is taken as gone and later calls of this run are skipped, so no caller waits twice.
+        """
         if self.run_id is None:
             return
+        if self._stalled:
+            logger.debug("MLflow run %s: not trying to %s: the store stopped answering", self.run_id, what)
+            return
         try:
-            fn(*args, **kwargs)
+            bounded(lambda: fn(*args, **kwargs), what)
+        except TrackingStalledError as e:
+            self._stalled = True
+            logger.warning("MLflow run %s: %s; its later records are skipped", self.run_id, e)
         except Exception as e:  # noqa: BLE001
             logger.warning("MLflow run %s: could not %s: %s", self.run_id, what, e)
 
@@ -329,7 +341,7 @@ class TrackedRun:
             self._ended = True
         _open_runs.discard(self)
         if self._sampler is not None:
-            self._sampler.stop()
+            self._safely("stop the system metrics", self._sampler.stop)
         final = self._status or "SUCCESS"
         self._safely("record the status", self._client.set_tag, self.run_id, "gpufleet.status", final)
         self._safely(
@@ -346,7 +358,7 @@ class TrackedRun:
             self._ended = True
         _open_runs.discard(self)
         if self._sampler is not None:
-            self._sampler.stop()
+            self._safely("stop the system metrics", self._sampler.stop)
             self._sampler = None
 
     def __enter__(self) -> TrackedRun:
@@ -363,7 +375,10 @@ class TrackedRun:
 @atexit.register
 def _end_open_runs() -> None:
     for run in list(_open_runs):
-        run.end("CANCELED")
+        try:
+            bounded(lambda run=run: run.end("CANCELED"), "end a run at exit", timeout_s=5.0)
+        except Exception:  # noqa: BLE001 - the store is gone: the process still exits
+            pass
 
 
 def _resolve_uri(mlflow: Any, has_active_run: bool) -> tuple[str, bool]:
@@ -498,15 +513,36 @@ def start_tracked_run(
         return TrackedRun()
     try:
         active = mlflow.active_run() if active_run is _LOOK_UP else active_run
-        run = _open_run(mlflow, experiment_name, run_name, params or {}, tags or {}, active)
+        run = _bounded_open(lambda: _open_run(mlflow, experiment_name, run_name, params or {}, tags or {}, active))
     except Exception as e:  # noqa: BLE001 - a broken tracking store must not stop training
-        message = f"MLflow tracking is off for {run_name!r}: could not open a run: {e}"
+        message = f"MLflow tracking is off for {run_name!r}: could not open a run: {e}; the run goes on untracked"
         logger.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         return TrackedRun()
     if system_metrics:
         run.start_system_metrics(system_metrics_interval_s, node_id)
     return run
+
+
+class TrackingUnreachableError(ConnectionError):
+    """The tracking server refused, did not answer or cannot be resolved (see :func:`~gpufleet.tracking.bounds.unreachable`)."""
+
+
+def _bounded_open(open_run: Any) -> TrackedRun:
+    """``open_run()`` within the tracking wait; a run that opens only after it was given up is ended at once."""
+    given_up = threading.Event()
+
+    def opening() -> TrackedRun:
+        run: TrackedRun = open_run()
+        if given_up.is_set():  # nobody logs into it: do not leave it RUNNING
+            run.end("FAILED")
+        return run
+
+    try:
+        return bounded(opening, "open a run")
+    except TrackingStalledError:
+        given_up.set()
+        raise
 
 
 def _open_run(
@@ -517,6 +553,9 @@ def _open_run(
     from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_USER
 
     uri, in_default_store = _resolve_uri(mlflow, active is not None)
+    problem = unreachable(uri)
+    if problem:
+        raise TrackingUnreachableError(problem)
     if in_default_store:
         from .store import ensure_default_store
 
@@ -583,10 +622,13 @@ def attach_tracked_run(
     try:
         from mlflow import MlflowClient
 
+        problem = unreachable(tracking_uri)
+        if problem:
+            raise TrackingUnreachableError(problem)
         client = MlflowClient(tracking_uri=tracking_uri)
-        client.get_run(run_id)
+        bounded(lambda: client.get_run(run_id), "find the run")
     except Exception as e:  # noqa: BLE001 - a broken tracking store must not stop training
-        message = f"MLflow tracking is off: could not find the run {run_id} at {tracking_uri}: {e}"
+        message = f"MLflow tracking is off: could not find the run {run_id} at {tracking_uri}: {e}; the run goes on untracked"
         logger.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         return TrackedRun()

@@ -76,7 +76,22 @@ def attempt_end(
     timeout_minutes: float | None,
     cancel_reason: str,
 ) -> AttemptEnd:
-    """The stored outcome of an attempt that the controller ended in ``state`` with ``error``."""
+    """The stored outcome of an attempt that the controller ended in ``state`` with ``error`` (secrets masked)."""
+    from ..secrets import mask_env_secrets
+
+    end = _attempt_end(group, state, error, timeout_minutes, cancel_reason)
+    if end.message:
+        end = AttemptEnd(end.state, end.exit_code, mask_env_secrets(end.message, group.spec.env))
+    return end
+
+
+def _attempt_end(
+    group: WorkerGroup,
+    state: RunState,
+    error: BaseException | None,
+    timeout_minutes: float | None,
+    cancel_reason: str,
+) -> AttemptEnd:
     start_canceled = getattr(group, "start_canceled", None)
     if isinstance(error, GroupStartCanceled) or start_canceled:
         return AttemptEnd(CANCELED, None, f"{cancel_reason} ({start_canceled or error})")

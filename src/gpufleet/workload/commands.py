@@ -169,7 +169,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .nodes import ExecutorUnavailableError
     from .schema import WorkloadValidationError
     from .snapshot import SnapshotError
-    from .store import StoreError
+    from .store import RunNotFoundError, StoreError
     from .submit import plan, submit_run
     from .view import mlflow_links
 
@@ -222,6 +222,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         _err(f"stopped watching; run {run.id} goes on (cancel it with `gpufleet cancel {run.id}`)")
         return 130
+    except RunNotFoundError as e:  # its row was deleted meanwhile
+        return _not_found(e, args)
     if args.output == "json":
         _print_json({**final.to_dict(), "created": created, "mlflow_runs": mlflow_links(final)})
     return EXIT_CODES.get(final.state, 1)
@@ -379,10 +381,14 @@ def _follow(store: Any, run: Any, args: argparse.Namespace) -> int:
             sys.stdout.write((prefix if args.node is None else "") + line + "\n")
         sys.stdout.flush()
 
+    from .store import RunNotFoundError
+
     try:
         final = follow_logs(store, run.id, write, node=args.node, attempt=args.attempt)
     except KeyboardInterrupt:
         return 130
+    except RunNotFoundError as e:  # its row was deleted meanwhile
+        return _not_found(e, args)
     _err(f"gpufleet: run {final.id} {final.state}")
     return 0
 

@@ -1,5 +1,8 @@
 """Leader of one node's process group: runs the command and stops the group if the supervisor dies.
 
+It is also the subreaper of what the command starts (:mod:`gpufleet.workload.adopted`): a
+daemon that double-forks out of the group stays below the guard and is stopped with it.
+
 ``python -m gpufleet.workload.guard -- bash -c COMMAND`` is started by the supervisor in a new
 session. It waits for the command and exits with its exit code. If the supervisor goes away
 (even by SIGKILL) it notices within a fraction of a second, terminates every process of its
@@ -26,9 +29,11 @@ import threading
 from collections.abc import Callable, Mapping
 
 if __package__:
+    from .adopted import become_subreaper, stop_descendants
     from .procgroup import terminate_group
     from .ranklines import RankLines
 else:  # run by path: this file's folder is the first entry of sys.path
+    from adopted import become_subreaper, stop_descendants  # type: ignore[no-redef]
     from procgroup import terminate_group  # type: ignore[no-redef]
     from ranklines import RankLines  # type: ignore[no-redef]
 
@@ -142,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = argv[argv.index("--") + 1 :]
     parent = os.getppid()
+    become_subreaper()  # a daemon the command double-forks stays below the guard (workload/adopted.py)
     # TERM/INT reach the whole group from the supervisor; the guard outlives the command
     # so that its exit code is reported.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -176,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
                 pass
             if rank_lines is not None:
                 rank_lines.stop()
+            stop_descendants(_GRACE_S)  # children that left the group (setsid) or were adopted
             _stop_group()
             return 1
+    stop_descendants()  # what the command left running below the guard (daemons it double-forked)
     if rank_lines is not None:
         rank_lines.stop()  # the ranks' last lines, then the folder goes
     return code if code >= 0 else 128 - code

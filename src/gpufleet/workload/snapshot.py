@@ -5,6 +5,8 @@ Guards, so that a wrong ``root_path`` fails at once with a message instead of co
 * the file system root and the user's home folder are refused as roots;
 * a gpufleet state folder (``$GPUFLEET_HOME``, or any folder holding a gpufleet ``runs.db``)
   inside the root is never copied: it holds the other runs, their snapshots included;
+* ``.env`` files (``.env``, ``.env.local``, ...), which hold secrets by convention, are not
+  copied unless ``include_paths`` names one; pass secrets with ``secrets:`` instead;
 * a symbolic link is kept as a link when its target is inside the root, and refused (named
   in the error) when it leaves the root or points to a folder holding the link (a loop);
 * at most :data:`DEFAULT_MAX_FILES` files and :data:`DEFAULT_MAX_BYTES` bytes, unless
@@ -34,6 +36,16 @@ logger = logging.getLogger(__name__)
 
 #: Never copied, wherever they are.
 _ALWAYS_SKIPPED = {".git", "__pycache__"}
+
+#: Files of secrets by convention (``.env``, ``.env.local``): not copied unless ``include_paths`` names one.
+_SECRETS_FILE = re.compile(r"^\.env(\..+)?$")
+
+
+def _secrets_file(rel: str, include_paths: list[str] | None) -> bool:
+    """Whether ``rel`` is a ``.env`` file that the snapshot leaves out (one ``include_paths`` names is copied)."""
+    if not _SECRETS_FILE.match(rel.rsplit("/", 1)[-1]):
+        return False
+    return rel not in {Path(p).as_posix().strip("/") for p in include_paths or ()}
 
 #: The run store's file; a folder holding one (a SQLite database) is a gpufleet state folder.
 STORE_FILE = "runs.db"
@@ -348,6 +360,8 @@ def _git_scan(root: Path, include_paths: list[str] | None, scan: _Scan) -> bool:
                     seen.add(rel)
                     if set(rel.split("/")) & _ALWAYS_SKIPPED or scan.in_state_dir(rel):
                         continue
+                    if _secrets_file(rel, include_paths):
+                        continue
                     scan.add(rel)
             code = proc.wait()
         finally:
@@ -415,7 +429,7 @@ def _walk_scan(root: Path, include_paths: list[str] | None, scan: _Scan) -> None
         dirnames[:] = walk_into
         for name in sorted(filenames):
             rel = prefix + name
-            if wanted_file(rel) and not ignored(here / name, False):
+            if wanted_file(rel) and not ignored(here / name, False) and not _secrets_file(rel, include_paths):
                 scan.add(rel)
 
 

@@ -229,7 +229,19 @@ def watch(
         if done:
             return run
         time.sleep(poll_s)
-        run = get_run(store, run.id)
+        run = _still_there(store, run)
+
+
+def _still_there(store: RunStore, run: RunRecord) -> RunRecord:
+    """The run's record again; a clear error (no traceback) when its row was deleted meanwhile."""
+    from .store import RunNotFoundError
+
+    try:
+        return get_run(store, run.id)
+    except RunNotFoundError:
+        raise RunNotFoundError(
+            f"run {run.id} was removed from the run store while it was followed; what it wrote is in {run.run_dir}"
+        ) from None
 
 
 def _watch_rich(store: RunStore, run: RunRecord, follower: LogFollower, poll_s: float,
@@ -264,7 +276,7 @@ def _watch_rich(store: RunStore, run: RunRecord, follower: LogFollower, poll_s: 
             if done:
                 return run
             time.sleep(poll_s)
-            run = get_run(store, run.id)
+            run = _still_there(store, run)
 
 
 def follow_logs(
@@ -285,7 +297,7 @@ def follow_logs(
         if done:
             return run
         time.sleep(poll_s)
-        run = get_run(store, run.id)
+        run = _still_there(store, run)
 
 
 # ------------------------------------------------------------------ tables

@@ -11,16 +11,23 @@ from .problems import Problem, WorkloadValidationError
 from .validation import validate_document
 from .yaml_loader import parse_yaml
 
+#: The largest workload file read (a workload is a page of YAML; its data goes elsewhere).
+MAX_WORKLOAD_BYTES = 4 << 20
+
 
 def load_workload(
     path: str | Path, overrides: list[str] | None = None
 ) -> tuple[WorkloadConfig, dict[str, Any]]:
     """Read, override and validate a workload file; returns the config and the raw document."""
     p = Path(path)
+    from ...smallfiles import NotASmallFileError, read_small_file
+
     try:
-        text = p.read_text(encoding="utf-8")
+        text = read_small_file(p, MAX_WORKLOAD_BYTES).decode("utf-8")
     except FileNotFoundError:
         raise WorkloadValidationError([Problem("", f"file not found: {p}")], str(p)) from None
+    except NotASmallFileError as e:  # /dev/zero, a FIFO: refused, not read without end
+        raise WorkloadValidationError([Problem("", f"{e}; give the workload's YAML file")], str(p)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise WorkloadValidationError([Problem("", f"cannot read {p}: {e}")], str(p)) from None
     doc = parse_yaml(text, str(p))

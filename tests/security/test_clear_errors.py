@@ -1,0 +1,98 @@
+"""Low items: settings that could never work, and state that cannot be written, are clear errors."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpufleet import distributed, errors
+from gpufleet.private import UnsafeStateError
+from gpufleet.workload.store import RunStore
+from tests.workload.helpers import REPO, cli, write_workload
+
+CPU = {"gpus": 1, "gpu_type": "cpu", "tracking": False, "stream_logs": False}
+
+
+def _one() -> int:
+    return 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1, True])
+def test_grace_period_that_is_not_a_finite_number_is_refused(bad):
+    with pytest.raises(errors.LaunchConfigError, match=r"grace_period_s must be a finite number of seconds >= 0"):
+        distributed(_one, grace_period_s=bad, **CPU)
+
+
+@pytest.mark.parametrize("bad", [1e-9, 0.5, float("nan")])
+def test_a_hang_timeout_shorter_than_the_progress_reports_is_refused(bad):
+    with pytest.raises(errors.LaunchConfigError, match=r"hang_timeout must be .* at least 1"):
+        distributed(_one, hang_timeout=bad, **CPU)
+
+
+def _checkpoint_into(root: str) -> None:
+    from gpufleet.checkpoint import CheckpointManager
+
+    CheckpointManager(root)
+
+
+def test_a_checkpoint_folder_that_is_a_file_is_a_clear_error(tmp_path):
+    target = tmp_path / "ckpt"
+    target.write_text("not a folder")
+    from gpufleet.checkpoint import CheckpointError
+
+    for root, said in ((target, "is a file, not a folder"), (target / "run1", f"lies under {target}, which is a file")):
+        with pytest.raises(CheckpointError, match=said):
+            distributed(_checkpoint_into, **CPU).distributed(str(root))
+
+
+def test_a_read_only_home_is_a_clear_error(tmp_path, monkeypatch):
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(readonly)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only file system here: {done.stderr.decode().strip()}")
+    try:
+        monkeypatch.setenv("GPUFLEET_HOME", str(readonly / ".gpufleet"))
+        with pytest.raises(UnsafeStateError, match=r"cannot be created: Read-only file system.*GPUFLEET_HOME"):
+            distributed(_one, **CPU).distributed()
+        rc = subprocess.run([sys.executable, "-m", "gpufleet.cli", "list"], capture_output=True, text=True, cwd=REPO,
+                            env={**os.environ, "GPUFLEET_HOME": str(readonly / ".gpufleet")}, timeout=60)  # fmt: skip
+        assert rc.returncode == 2 and "Read-only file system" in rc.stderr and "Traceback" not in rc.stderr, rc.stderr
+    finally:
+        subprocess.run(["umount", str(readonly)], capture_output=True)
+
+
+def test_logs_follow_of_a_run_deleted_meanwhile_says_so(tmp_path, home, store: RunStore, capsys):
+    wl = write_workload(tmp_path, command='touch "$GPUFLEET_RUN_DIR/started"; sleep 60')
+    rc, out, err = cli(capsys, "run", "-f", str(wl), "--no-tracking")
+    assert rc == 0, out + err
+    run_id = out.strip().splitlines()[-1]
+    follower = subprocess.Popen([sys.executable, "-m", "gpufleet.cli", "logs", run_id, "--follow"], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        started = Path(store.get(run_id).run_dir) / "started"
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(1.0)  # the follower reads the row at least once
+        with sqlite3.connect(home / "runs.db") as db:
+            db.execute("DELETE FROM attempts WHERE run_id = ?", (run_id,))
+            db.execute("DELETE FROM runs WHERE id = ?", (run_id,))
+        _, said = follower.communicate(timeout=60)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+        cli(capsys, "cancel", "--all")
+        from gpufleet.workload.liveness import kill_run_processes
+
+        kill_run_processes(run_id, grace_period_s=0.5)
+    assert follower.returncode == 1, said
+    assert "Traceback" not in said and f"run {run_id} was removed from the run store while it was followed" in said
