@@ -12,4 +12,5 @@ if [ -x scripts/recipe_env.sh ] && [ "${GPUFLEET_SKIP_RECIPE_ENVS:-0}" != "1" ];
   done
   export GPUFLEET_RECIPE_ENVS=1
 fi
+[ -x scripts/slurm_local.sh ] && scripts/slurm_local.sh ensure  # Slurm's packages for tests/slurm (root + apt only)
 exec .venv/bin/python -m pytest "$@"
