@@ -264,6 +264,11 @@ class WorkloadNodeGroup(WorkerGroup):
         env.update(default_threads(env, self.local_world_size))  # also keeps torchrun's OMP banner away
         return env
 
+    @property
+    def preempted(self) -> str | None:
+        """Why the scheduler stopped this attempt early (a Slurm preemption), or None; the controller resubmits it."""
+        return getattr(self.executor, "preempted", None)
+
     def describe_nodes(self) -> list[dict[str, Any]]:
         """What the run store records about each started node."""
         return [n.describe() for n in self.nodes]
