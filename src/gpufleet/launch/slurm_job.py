@@ -163,8 +163,10 @@ class JobState:
 class SlurmJob:
     """One submitted job: its id, its state (read at most once a second) and canceling it."""
 
-    def __init__(self, job_id: str) -> None:
+    def __init__(self, job_id: str, slurm_conf: str | None = None) -> None:
         self.job_id = job_id
+        # the cluster the job went to, whatever this process's environment says later
+        self._env = {**os.environ, "SLURM_CONF": slurm_conf} if slurm_conf else None
         self._lock = threading.Lock()
         self._state: JobState | None = None
         self._read = 0.0
@@ -175,7 +177,7 @@ class SlurmJob:
         """``sbatch`` the batch script with ``args`` and the environment ``env`` (exported whole)."""
         require_slurm()
         out = _run(["sbatch", "--parsable", "--export=ALL", f"--chdir={cwd}", *args, str(script)], env=env)
-        return cls(out.strip().split(";")[0])
+        return cls(out.strip().split(";")[0], env.get("SLURM_CONF"))
 
     def state(self, max_age_s: float = 1.0) -> JobState:
         """The job's state, at most ``max_age_s`` old."""
@@ -184,7 +186,7 @@ class SlurmJob:
             if self._state is not None and (now - self._read < max_age_s or self._state.state == "UNKNOWN"):
                 return self._state
             try:
-                info = parse_show(_run(["scontrol", "show", "job", "-o", self.job_id]))
+                info = parse_show(_run(["scontrol", "show", "job", "-o", self.job_id], env=self._env))
                 restarts = int(info.get("Restarts", "0") or 0)
                 self._state = JobState(info.get("JobState", "UNKNOWN"), info.get("Reason", ""),
                                        info.get("NodeList", ""), restarts, info.get("ExitCode", ""))  # fmt: skip
@@ -204,12 +206,16 @@ class SlurmJob:
 
     def signal_batch(self, signame: str) -> None:
         """Send ``signame`` to the job's batch step (what Slurm does before a time limit)."""
-        _run(["scancel", f"--signal={signame}", "--batch", self.job_id])
+        _run(["scancel", f"--signal={signame}", "--batch", self.job_id], env=self._env)
+
+    def signal_tasks(self, signame: str) -> None:
+        """Send ``signame`` to every task of the job's steps."""
+        _run(["scancel", f"--signal={signame}", self.job_id], env=self._env)
 
     def cancel(self, wait_s: float = 30.0) -> JobState:
         """``scancel`` (TERM to every step, KILL after the cluster's KillWait); wait until nothing runs."""
         try:
-            _run(["scancel", self.job_id])
+            _run(["scancel", self.job_id], env=self._env)
         except SlurmError:
             pass  # already over
         deadline = time.monotonic() + wait_s
@@ -224,7 +230,7 @@ class SlurmJob:
         listed = self.state().nodes
         if not listed or listed == "(null)":
             return []
-        return _run(["scontrol", "show", "hostnames", listed]).split()
+        return _run(["scontrol", "show", "hostnames", listed], env=self._env).split()
 
 
 def node_address(name: str) -> str:

@@ -7,8 +7,9 @@ turns Slurm's ``SIGUSR1`` (sent before the time limit or a preemption, ``--signa
 the attempt's preempted mark, and starts one task per rank or per node with ``srun``:
 
 - ``task rank FOLDER``: one rank of a call. ``RANK``, ``LOCAL_RANK``, ``NODE_RANK`` and the rest of the
-  rank contract come from Slurm's task ids; output goes to the run folder's ``rank-R.log`` and the
-  task becomes ``python -m gpufleet.launch.worker FOLDER RANK``, the one worker entry.
+  rank contract come from Slurm's task ids; the task runs ``python -m gpufleet.launch.worker FOLDER
+  RANK`` (the one worker entry), writes its output lines, each tagged ``O`` (stdout) or ``E``
+  (stderr), to ``rank-R.stream`` for the caller, and its exit code to ``rank-R.exit``.
 - ``task node FOLDER``: one node of a workload. ``NODE_RANK`` is Slurm's node id; the node's command
   runs under the node guard (:mod:`gpufleet.workload.guard`) with its output in ``node-N.log``; its
   exit code is written to ``node-N.exit`` (atomically) for the supervisor.
@@ -24,8 +25,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import IO
 
 from ..results import write_atomic
 from .slurm_job import PREEMPTED_FILE, node_address
@@ -63,20 +66,38 @@ def batch(mode: str, folder: Path) -> int:
 
 
 def _rank_task(folder: Path) -> int:
-    env = os.environ
+    env = dict(os.environ)
     rank, local = env["SLURM_PROCID"], env.get("SLURM_LOCALID", "0")
+    world = env.get("SLURM_NTASKS", env.get("WORLD_SIZE", "1"))
     env.update(
         RANK=rank, LOCAL_RANK=local, NODE_RANK=env.get("SLURM_NODEID", "0"), GROUP_RANK=env.get("SLURM_NODEID", "0"),
-        ROLE_RANK=rank, WORLD_SIZE=env.get("SLURM_NTASKS", env.get("WORLD_SIZE", "1")),
-        ROLE_WORLD_SIZE=env.get("SLURM_NTASKS", env.get("WORLD_SIZE", "1")),
+        ROLE_RANK=rank, WORLD_SIZE=world, ROLE_WORLD_SIZE=world,
         LOCAL_WORLD_SIZE=env.get("SLURM_NTASKS_PER_NODE", env.get("LOCAL_WORLD_SIZE", "1")).split("(")[0],
     )  # fmt: skip
-    fd = os.open(folder / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.execv(sys.executable, [sys.executable, "-m", "gpufleet.launch.worker", str(folder), rank])
-    return 127  # pragma: no cover - execv does not return
+    # Slurm's TERM (a cancel) and USR1 (stacks before a timeout) are for the rank; this task reports.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-m", "gpufleet.launch.worker", str(folder), rank], env=env,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             restore_signals=True)  # fmt: skip
+    stream = os.open(folder / f"rank-{rank}.stream", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    lock = threading.Lock()
+
+    def pump(pipe: IO[bytes], tag: bytes) -> None:
+        for line in iter(pipe.readline, b""):
+            with lock:
+                os.write(stream, tag + (line if line.endswith(b"\n") else line + b"\n"))
+        pipe.close()
+
+    pumps = [threading.Thread(target=pump, args=(child.stdout, b"O")), threading.Thread(target=pump, args=(child.stderr, b"E"))]
+    for t in pumps:
+        t.start()
+    code = child.wait()
+    for t in pumps:
+        t.join(5.0)
+    os.close(stream)
+    write_atomic(folder / f"rank-{rank}.exit", json.dumps({"exit_code": code, "host": os.uname().nodename}).encode())
+    return 0 if code == 0 else 1
 
 
 def _node_task(folder: Path) -> int:
