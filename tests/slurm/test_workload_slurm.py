@@ -74,3 +74,109 @@ def test_torchrun_once_per_node_on_two_slurm_nodes(tmp_path: Path, monkeypatch, 
             assert b"s3cr3t-value" not in path.read_bytes(), path
     assert job_id not in squeue_ids()
     assert wait_no_processes(run_id) == []
+
+
+def _wait(predicate, what: str, timeout: float = 150.0, every: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+
+
+def _job_of(capsys, run_id: str, attempt: int = 1) -> str | None:
+    run = cli_json(capsys, "get", run_id)
+    attempts = [a for a in run["attempts"] if a["attempt"] == attempt]
+    nodes = attempts[0]["nodes"] if attempts else []
+    return nodes[0].get("slurm_job_id") if nodes else None
+
+
+SLEEPER = 'echo "node $NODE_RANK up"; touch "$MARKER_DIR/up-$NODE_RANK"; sleep 300\n'
+
+
+def test_cancel_leaves_nothing_in_squeue_or_on_the_nodes(tmp_path: Path, monkeypatch, capsys) -> None:
+    yaml_path = slurm_workload(tmp_path, monkeypatch, "slurm-cancel", SLEEPER, env_variables={"MARKER_DIR": str(tmp_path)})
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--no-tracking")
+    assert rc == 0, out + err
+    run_id = out.split()[0]
+    _wait(lambda: (tmp_path / "up-0").exists() and (tmp_path / "up-1").exists(), "both nodes to start")
+    job_id = _job_of(capsys, run_id)
+    assert job_id in squeue_ids()
+    rc, out, err = cli(capsys, "cancel", run_id)
+    assert rc == 0, out + err
+    _wait(lambda: cli_json(capsys, "get", run_id)["state"] == "CANCELED", "the run to end CANCELED")
+    assert job_id not in squeue_ids()
+    assert wait_no_processes(run_id) == []
+
+
+PREEMPTIBLE = textwrap.dedent(
+    """
+    import os, time
+    import torch
+    from gpufleet.checkpoint import CheckpointManager
+
+    attempt = os.environ["GPUFLEET_ATTEMPT"]
+    model = torch.nn.Linear(1, 1)
+    torch.nn.init.zeros_(model.weight)               # after step N the weight is exactly N
+    manager = CheckpointManager(os.environ["GPUFLEET_CHECKPOINT_DIR"], model=model)
+    start = manager.resume() or 0
+    for step in range(start, 12):
+        with torch.no_grad():
+            model.weight += 1.0                       # the state a lost step would show
+        with open(os.path.join(os.environ["MARKER_DIR"], "steps.txt"), "a") as f:
+            f.write(f"{attempt} {step + 1} {model.weight.item():g}\\n")
+        if step + 1 == 3:
+            open(os.path.join(os.environ["MARKER_DIR"], "ready"), "w").close()
+        if manager.save_if_preempted(step + 1):
+            print(f"checkpointed step {step + 1} for the scheduler", flush=True)
+            break
+        time.sleep(0.3 if step + 1 >= 3 else 0.05)
+    """
+)
+
+
+def test_a_preemption_signal_checkpoints_and_the_resubmitted_attempt_resumes(tmp_path: Path, monkeypatch, capsys) -> None:
+    yaml_path = slurm_workload(
+        tmp_path, monkeypatch, "slurm-preempt", "python train.py\n", files={"train.py": PREEMPTIBLE},
+        env_variables={"MARKER_DIR": str(tmp_path)}, max_retries=0,
+    )  # fmt: skip
+    text = yaml_path.read_text().replace("num_accelerators: 2", "num_accelerators: 1")
+    yaml_path.write_text(text)
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--no-tracking")
+    assert rc == 0, out + err
+    run_id = out.split()[0]
+    _wait(lambda: (tmp_path / "ready").exists(), "the first attempt to train a few steps")
+    job_id = _job_of(capsys, run_id)
+    # what Slurm does `signal_before_s` before the time limit (--signal=B:USR1@N)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
+    run = _wait(lambda: (r := cli_json(capsys, "get", run_id))["state"] in ("SUCCESS", "FAILED") and r, "the run to end")
+    assert run["state"] == "SUCCESS", run
+    assert [a["attempt"] for a in run["attempts"]] == [1, 2]  # max_retries=0: a preemption is not a retry
+    assert "preempted" in run["attempts"][0]["message"] and job_id in run["attempts"][0]["message"]
+    assert _job_of(capsys, run_id, 2) != job_id  # resubmitted as a new job
+    lines = [line.split() for line in (tmp_path / "steps.txt").read_text().splitlines()]
+    first = [int(s) for a, s, _ in lines if a == "1"]
+    second = [int(s) for a, s, _ in lines if a == "2"]
+    assert second and second[0] == first[-1] + 1, lines  # resumed right after the checkpointed step
+    assert [float(w) for _, _, w in lines] == [float(s) for _, s, _ in lines] == [float(i + 1) for i in range(12)]  # nothing lost
+    rc, out, _ = cli(capsys, "get", run_id)
+    assert "attempt 1: FAILED" in out and "preempted" in out and f"slurm job {job_id}" in out
+    assert job_id not in squeue_ids()
+    assert wait_no_processes(run_id) == []
+
+
+def test_bad_slurm_keys_fail_validation_listing_every_error(tmp_path: Path, capsys) -> None:
+    yaml_path = write_workload(
+        tmp_path, experiment_name="bad-slurm", command="true",
+        compute={"accelerator_type": "CPU_1", "num_accelerators": 2, "cluster": "slurm",
+                 "slurm": {"partiton": "gpu", "time": "forever", "sbatch_args": ["--nodes=4", "mem=1G"], "qos": 3}},
+    )  # fmt: skip
+    rc, out, err = cli(capsys, "validate", "-f", str(yaml_path))
+    assert rc != 0
+    text = out + err
+    assert "compute.slurm: unknown key 'partiton' (did you mean 'partition'?)" in text
+    assert "compute.slurm.time" in text and "not a Slurm time limit" in text
+    assert "--nodes is set by gpufleet" in text and "'mem=1G' is not an option" in text
+    assert "compute.slurm.qos" in text

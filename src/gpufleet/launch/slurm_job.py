@@ -29,12 +29,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checkpoint.preemption import PREEMPT_FILE_ENV
 from ..errors import GpufleetError, LaunchConfigError
+
+__all__ = ["PREEMPT_FILE_ENV", "PREEMPTED_FILE", "SlurmJob", "SlurmOptions", "SlurmError", "slurm_options"]
 
 #: In the attempt's folder: written by the batch step when Slurm signals the job to stop.
 PREEMPTED_FILE = "preempted.json"
-#: The ranks' environment: the file whose existence means "checkpoint now, the job ends soon".
-PREEMPT_FILE_ENV = "GPUFLEET_PREEMPT_FILE"
 #: Job states after which nothing of the job runs any more.
 ENDED_STATES = frozenset({
     "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
