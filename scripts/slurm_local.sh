@@ -6,6 +6,7 @@
 #   scripts/slurm_local.sh start    write the configuration and start the daemons (waits for both nodes)
 #   scripts/slurm_local.sh stop     stop every daemon, job step and task; nothing is left, no zombie
 #   scripts/slurm_local.sh status   the daemons' pids and `sinfo`; exit 1 when the cluster is not up
+#   scripts/slurm_local.sh revive   start again the daemons that died (a node's slurmd killed on purpose)
 #   scripts/slurm_local.sh env      the line to eval so that sbatch/srun/squeue find this cluster
 #
 # The daemons run in the foreground under scripts/slurm_reaper.py (a child subreaper), which reaps
@@ -134,6 +135,24 @@ stop() {
   echo "slurm_local: stopped"
 }
 
+revive() {
+  running || { echo "slurm_local: not running" >&2; exit 1; }
+  kill -USR1 "$(cat "$STATE/reaper.pid")"
+  local deadline=$((SECONDS + 60))
+  for n in "${NODES[@]}"; do
+    until SLURM_CONF=$CONF scontrol update NodeName="$n" State=RESUME 2>/dev/null \
+        || SLURM_CONF=$CONF sinfo -h -N -n "$n" -o %T | grep -qE '^(idle|mixed|alloc)'; do
+      [ $SECONDS -lt $deadline ] || { echo "slurm_local: $n did not come back" >&2; exit 1; }
+      sleep 0.5
+    done
+  done
+  until [ "$(SLURM_CONF=$CONF sinfo -h -N -o '%T' | grep -cE '^(idle|mixed|alloc)')" = "${#NODES[@]}" ]; do
+    [ $SECONDS -lt $deadline ] || { echo "slurm_local: the nodes did not come back: $(SLURM_CONF=$CONF sinfo -h -N)" >&2; exit 1; }
+    sleep 0.5
+  done
+  echo "slurm_local: every daemon runs"
+}
+
 status() {
   if ! running; then
     echo "slurm_local: not running"
@@ -155,6 +174,7 @@ case "${1:-}" in
   start) start ;;
   stop) stop ;;
   status) status ;;
+  revive) revive ;;
   env) echo "export SLURM_CONF=$CONF" ;;
-  *) echo "usage: $0 ensure|start|stop|status|env" >&2; exit 2 ;;
+  *) echo "usage: $0 ensure|start|stop|status|revive|env" >&2; exit 2 ;;
 esac

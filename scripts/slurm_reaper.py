@@ -10,7 +10,8 @@ process, and reaps every one of them: no zombie outlives it. It writes its own p
 ``STATE_DIR/reaper.pid`` and each daemon's to ``STATE_DIR/NAME.pid``. On SIGTERM (``stop``) it
 sends SIGTERM to the daemons, waits up to 10 s, then SIGKILLs every process left in its tree
 (found through ``/proc``) and exits once all of them are reaped. If a daemon dies on its own, the
-reaper records it in ``STATE_DIR/reaper.log`` and keeps the others running (``status`` names it).
+reaper records it in ``STATE_DIR/reaper.log`` and keeps the others running (``status`` names it); on
+SIGUSR1 (``revive``) it starts every daemon that is not running again.
 """
 
 from __future__ import annotations
@@ -83,11 +84,18 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    revive = False
+
+    def on_usr1(signum: int, frame: object) -> None:
+        nonlocal revive
+        revive = True
+
+    signal.signal(signal.SIGUSR1, on_usr1)
     daemons: dict[int, str] = {}
     names = [g[0] for g in groups]
     log = open(os.path.join(state, "daemons.out"), "ab")  # noqa: SIM115 - for the reaper's life
-    for group in groups:
-        name, cmd = group[0], group[1:]
+
+    def launch(name: str, cmd: list[str]) -> None:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         daemons[proc.pid] = name
         with open(os.path.join(state, f"{name}.pid"), "w") as f:
@@ -97,12 +105,21 @@ def main(argv: list[str]) -> int:
                 if os.path.exists(os.path.join(state, "munge", "munge.socket")):
                     break
                 time.sleep(0.05)
+
+    for group in groups:
+        launch(group[0], group[1:])
     with open(os.path.join(state, "reaper.pid"), "w") as f:
         f.write(f"{os.getpid()}\n")
     while not stopping:
         for pid in _reap():
             if pid in daemons:
                 _log(state, f"{daemons.pop(pid)} (pid {pid}) exited")
+        if revive:
+            revive = False
+            for group in groups:
+                if group[0] not in daemons.values():
+                    _log(state, f"starting {group[0]} again")
+                    launch(group[0], group[1:])
         time.sleep(0.2)
     for pid in list(daemons):
         try:

@@ -180,3 +180,51 @@ def test_bad_slurm_keys_fail_validation_listing_every_error(tmp_path: Path, caps
     assert "compute.slurm.time" in text and "not a Slurm time limit" in text
     assert "--nodes is set by gpufleet" in text and "'mem=1G' is not an option" in text
     assert "compute.slurm.qos" in text
+
+
+def _kill_node(name: str) -> None:
+    """What a dead node looks like: its slurmd, the job steps' slurmstepd on it and their tasks all gone."""
+    import os
+    import signal
+
+    import psutil
+
+    from tests.slurm.conftest import STATE
+
+    victims = [int(Path(STATE, f"slurmd-{name}.pid").read_text())]
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("SLURMD_NODENAME") == name:
+                victims.append(p.pid)
+                parent = p.parent()
+                if parent is not None and parent.name().startswith("slurmstepd"):
+                    victims.append(parent.pid)
+        except (psutil.Error, OSError):
+            continue
+    for pid in set(victims):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_node_that_dies_fails_the_attempt_clearly(tmp_path: Path, monkeypatch, capsys) -> None:
+    from tests.slurm.conftest import SCRIPT
+
+    yaml_path = slurm_workload(tmp_path, monkeypatch, "slurm-node-dies", SLEEPER, env_variables={"MARKER_DIR": str(tmp_path)})
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--no-tracking")
+    assert rc == 0, out + err
+    run_id = out.split()[0]
+    _wait(lambda: (tmp_path / "up-0").exists() and (tmp_path / "up-1").exists(), "both nodes to start")
+    job_id = _job_of(capsys, run_id)
+    try:
+        _kill_node("node2")
+        run = _wait(lambda: (r := cli_json(capsys, "get", run_id))["state"] not in ("PENDING", "RUNNING") and r,
+                    "the run to end after its node died", timeout=120)  # fmt: skip
+        assert run["state"] == "FAILED", run
+        message = run["attempts"][0]["message"]
+        assert job_id in message and ("NODE_FAIL" in message or "node 1" in message), message
+    finally:
+        subprocess.run([str(SCRIPT), "revive"], check=True, capture_output=True, timeout=90)
+    assert job_id not in squeue_ids()
+    assert wait_no_processes(run_id) == []

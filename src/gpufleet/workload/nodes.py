@@ -269,6 +269,11 @@ class WorkloadNodeGroup(WorkerGroup):
         """Why the scheduler stopped this attempt early (a Slurm preemption), or None; the controller resubmits it."""
         return getattr(self.executor, "preempted", None)
 
+    @property
+    def lost(self) -> str | None:
+        """Why the cluster ended this attempt under its nodes (a Slurm node failure), or None."""
+        return getattr(self.executor, "lost", None)
+
     def describe_nodes(self) -> list[dict[str, Any]]:
         """What the run store records about each started node."""
         return [n.describe() for n in self.nodes]

@@ -114,7 +114,7 @@ class SlurmNodeProcess(NodeProcess):
         self._executor.cancel_job(grace_period_s)
 
     def cleanup(self) -> None:
-        self._executor.cancel_job(1.0)
+        self._executor._finish_job()
 
     def describe(self) -> dict[str, Any]:
         job = self._executor.job
@@ -181,6 +181,17 @@ class SlurmExecutor(NodeExecutor):
             elif self.job.requeued():
                 self._preempted = f"preempted: Slurm requeued job {self.job.job_id}"
         return self._preempted
+
+    @property
+    def lost(self) -> str | None:
+        """What Slurm said when it ended the job under the nodes (a node failed, say), or None."""
+        if self.job is None or self._preempted:
+            return None
+        s = self.job.state()
+        if s.state in ("NODE_FAIL", "BOOT_FAIL", "TIMEOUT", "OUT_OF_MEMORY", "DEADLINE", "PREEMPTED", "REVOKED"):
+            why = f" ({s.reason})" if s.reason and s.reason != "None" else ""
+            return f"Slurm ended job {self.job.job_id} {s.state}{why} on nodes {s.nodes or '?'}"
+        return None
 
     def exit_code(self, node_rank: int) -> int | None:
         """The exit code node ``node_rank``'s task wrote, or None."""
