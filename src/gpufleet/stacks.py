@@ -4,7 +4,8 @@ Each process of a run carries the run's id in its environment (``GPUFLEET_RUN_ID
 ``@distributed`` call, and everything a workload's node command starts (torchrun and its
 children). Their stacks are read with py-spy, from outside and without stopping them; without
 py-spy, ranks that gpufleet launched dump their own through faulthandler (SIGUSR2). Ranks on other
-machines of a Ray cluster are not reached from here.
+machines of a Ray cluster are not reached from here; those of a run on Slurm are read on its job's
+nodes (:mod:`gpufleet.launch.slurm_stacks`) when none runs here.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def collect(run_id: str) -> tuple[str, list[dict[str, Any]]]:
         if stack is None:
             stack = _faulthandler(proc, env) or "(no stack: install py-spy, or the process is no gpufleet rank)"
         found.append({
+            "host": os.uname().nodename,
             "rank": int(env["RANK"]) if env.get("RANK", "").isdigit() else None,
             "node_rank": env.get("NODE_RANK"), "pid": proc.pid,
             "command": " ".join(proc.cmdline())[:200], "stack": stack,
@@ -98,8 +100,13 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     try:
         rid, found = collect(args.run_id)
     except LookupError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        from .launch.slurm_stacks import collect_on_slurm
+
+        on_slurm = None if args.here else collect_on_slurm(args.run_id)  # a run on Slurm: ask its nodes
+        if on_slurm is None:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        rid, found = on_slurm
     if args.output == "json":
         print(json.dumps({"run_id": rid, "processes": found}, indent=2))
         return 0
@@ -116,4 +123,5 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser("stacks", help="every rank's current stack of a running call or workload on this machine")
     p.add_argument("run_id", help="the run id (of a call's attempt or a workload), or a unique prefix of 6+ characters")
     p.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    p.add_argument("--here", action="store_true", help=argparse.SUPPRESS)  # on a Slurm node: this machine only
     p.set_defaults(handler=cmd_stacks)
