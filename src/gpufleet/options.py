@@ -114,7 +114,7 @@ class LaunchOptions:
         if self.remote == "slurm":
             from .launch.slurm_job import slurm_options
 
-            slurm_options({k: v for k, v in self.slurm.items() if k != "nodes"})
+            slurm_options(self.slurm, also=("nodes",))
 
 
 _OPTION_NAMES = {f for f in LaunchOptions.__dataclass_fields__}

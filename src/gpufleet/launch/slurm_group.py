@@ -62,9 +62,8 @@ def slurm_placement(gpus: int | None, gpu_type: str | None, settings: Mapping[st
     for GPUs when that divides evenly, else one node).
     """
     require_slurm()
-    settings = dict(settings or {})
-    nodes = settings.pop("nodes", None)
-    options = slurm_options(settings)
+    nodes = dict(settings or {}).get("nodes")
+    options = slurm_options(settings, also=("nodes",))
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise LaunchConfigError(f"remote='slurm' needs gpus=<number of ranks in all>, got gpus={gpus!r}")
     use_gpus = (gpu_type or "").lower() != "cpu"

@@ -97,12 +97,12 @@ class SlurmOptions:
         return out + list(self.sbatch_args)
 
 
-def slurm_options(settings: Mapping[str, object] | None) -> SlurmOptions:
-    """Checked :class:`SlurmOptions` from a mapping (the decorator's ``slurm=``)."""
-    settings = dict(settings or {})
+def slurm_options(settings: Mapping[str, object] | None, also: Sequence[str] = ()) -> SlurmOptions:
+    """Checked :class:`SlurmOptions` from a mapping (the decorator's ``slurm=``); keys in ``also`` are the caller's."""
+    settings = {k: v for k, v in (settings or {}).items() if k not in also}
     known = set(SlurmOptions.__dataclass_fields__)
     unknown = sorted(set(settings) - known)
-    problems = [f"unknown key {k!r}; allowed keys: {', '.join(sorted(known))}" for k in unknown]
+    problems = [f"unknown key {k!r}; allowed keys: {', '.join(sorted(known | set(also)))}" for k in unknown]
     if "sbatch_args" in settings:
         settings["sbatch_args"] = tuple(settings["sbatch_args"])  # type: ignore[arg-type]
     opts = SlurmOptions(**{k: v for k, v in settings.items() if k in known})  # type: ignore[arg-type]

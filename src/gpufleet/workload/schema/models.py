@@ -103,7 +103,8 @@ class ComputeConfig(_Strict):
     def _check_cluster(cls, v: str | None) -> str | None:
         if v is not None and not _CLUSTER_RE.match(v):
             raise ValueError(
-                f"{v!r} is not a cluster; use 'slurm', or a Ray address: ray://<head>:<port>, <head>:<port> or 'auto'"
+                f"{v!r} is not a Ray cluster address; use ray://<head>:<port>, <head>:<port> or 'auto' (or 'slurm': "
+                "the Slurm cluster of this login node)"
             )
         return v
 
