@@ -73,3 +73,30 @@ def test_a_raising_rank_gives_the_caller_its_own_exception(tmp_path) -> None:
         f.distributed()
     assert "raise StepDiverged" in str(info.value.__cause__)  # the remote traceback
     assert _wait_empty()
+
+
+def sleep_after_hello() -> None:
+    import time
+
+    print("rank is up", flush=True)
+    time.sleep(300)
+
+
+def test_cancel_of_a_running_call_empties_squeue(tmp_path) -> None:
+    import time
+
+    from gpufleet.errors import RunCanceledError
+
+    f = distributed(sleep_after_hello, gpus=2, gpu_type="cpu", remote="slurm", slurm={"nodes": 2},
+                    runs_dir=str(tmp_path), timeout=240, tracking=False, grace_period_s=1.0)  # fmt: skip
+    handle = f.submit()
+    deadline = time.monotonic() + 120
+    while "rank is up" not in handle.logs(0) or "rank is up" not in handle.logs(1):
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.3)
+    assert squeue_ids()
+    handle.cancel()
+    with pytest.raises(RunCanceledError):
+        handle.result()
+    assert squeue_ids() == []  # cancel returns once Slurm has the job off the nodes
+    assert run_processes(handle.run_id) == []

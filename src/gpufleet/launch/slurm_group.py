@@ -28,7 +28,15 @@ from . import failures
 from .group import GroupStartCanceled, GroupStatus, WorkerGroup
 from .logstream import LogConfig, RankLog
 from .progress import PROGRESS_INTERVAL_ENV, read_progress
-from .slurm_job import SlurmError, SlurmJob, SlurmOptions, batch_script, require_slurm, resource_args, slurm_options
+from .slurm_job import (
+    SlurmError,
+    SlurmJob,
+    SlurmOptions,
+    batch_script,
+    require_slurm,
+    resource_args,
+    slurm_options,
+)
 from .spec import LaunchSpec, Rendezvous
 
 __all__ = ["SlurmPlacement", "SlurmWorkerGroup", "slurm_placement"]
