@@ -12,8 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-#: The file whose existence means "checkpoint now" (set by gpufleet's Slurm launchers).
-PREEMPT_FILE_ENV = "GPUFLEET_PREEMPT_FILE"
+from ..launch.slurm_job import PREEMPT_FILE_ENV
 
 
 def preemption_requested(process_group: Any = None) -> bool:

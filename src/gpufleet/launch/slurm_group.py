@@ -290,3 +290,11 @@ class SlurmWorkerGroup(WorkerGroup):
             self._tail_once()
             for log in self._rank_logs:
                 log.close()
+            # the raw channels (unmasked output), the call and the outcomes have been read
+            names = ["payload.pkl"] + [f"{kind}-{r}.{ext}" for r in range(self.placement.world_size)
+                                       for kind, ext in (("rank", "stream"), ("rank", "exit"), ("outcome", "pkl"))]  # fmt: skip
+            for name in names:
+                try:
+                    (self.run_dir.path / name).unlink()
+                except FileNotFoundError:
+                    pass

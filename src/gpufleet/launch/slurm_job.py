@@ -29,11 +29,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.preemption import PREEMPT_FILE_ENV
 from ..errors import GpufleetError, LaunchConfigError
 
 __all__ = ["PREEMPT_FILE_ENV", "PREEMPTED_FILE", "SlurmJob", "SlurmOptions", "SlurmError", "slurm_options"]
 
+#: The ranks' environment: the file whose existence means "checkpoint now, the job ends soon"
+#: (read by :mod:`gpufleet.checkpoint.preemption`).
+PREEMPT_FILE_ENV = "GPUFLEET_PREEMPT_FILE"
 #: In the attempt's folder: written by the batch step when Slurm signals the job to stop.
 PREEMPTED_FILE = "preempted.json"
 #: Job states after which nothing of the job runs any more.
@@ -177,6 +179,8 @@ class SlurmJob:
     def submit(cls, script: Path, args: Sequence[str], env: Mapping[str, str], cwd: str) -> SlurmJob:
         """``sbatch`` the batch script with ``args`` and the environment ``env`` (exported whole)."""
         require_slurm()
+        # Slurm's output variables of a job this process may itself run in are not the new job's
+        env = {k: v for k, v in env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
         out = _run(["sbatch", "--parsable", "--export=ALL", f"--chdir={cwd}", *args, str(script)], env=env)
         return cls(out.strip().split(";")[0], env.get("SLURM_CONF"))
 

@@ -180,6 +180,8 @@ class SlurmExecutor(NodeExecutor):
                 self._preempted = f"preempted: Slurm signaled job {self.job.job_id} to stop (time limit or preemption near)"
             elif self.job.requeued():
                 self._preempted = f"preempted: Slurm requeued job {self.job.job_id}"
+            elif self.job.state().state == "PREEMPTED":  # preempted without a grace time: no signal came
+                self._preempted = f"preempted: Slurm preempted job {self.job.job_id} without a signal first"
         return self._preempted
 
     @property
@@ -188,7 +190,7 @@ class SlurmExecutor(NodeExecutor):
         if self.job is None or self._preempted:
             return None
         s = self.job.state()
-        if s.state in ("NODE_FAIL", "BOOT_FAIL", "TIMEOUT", "OUT_OF_MEMORY", "DEADLINE", "PREEMPTED", "REVOKED"):
+        if s.state in ("NODE_FAIL", "BOOT_FAIL", "TIMEOUT", "OUT_OF_MEMORY", "DEADLINE", "REVOKED"):
             why = f" ({s.reason})" if s.reason and s.reason != "None" else ""
             return f"Slurm ended job {self.job.job_id} {s.state}{why} on nodes {s.nodes or '?'}"
         return None
