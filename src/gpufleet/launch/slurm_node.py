@@ -32,6 +32,15 @@ from typing import IO
 
 from ..results import write_atomic
 from .slurm_job import PREEMPTED_FILE, node_address
+from .spec import default_threads
+
+
+def _cores() -> int:
+    """The cores this process may run on (its share of the allocation where Slurm binds tasks)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _say(message: str) -> None:
@@ -55,8 +64,12 @@ def batch(mode: str, folder: Path) -> int:
              "preemption is near); the ranks checkpoint at their next step and the run resubmits")  # fmt: skip
 
     signal.signal(signal.SIGUSR1, on_usr1)
-    cmd = ["srun", "--export=ALL", "--kill-on-bad-exit=0", sys.executable, "-m", "gpufleet.launch.slurm_node",
-           "task", mode, str(folder)]  # fmt: skip
+    # Each task gets its share of the node's CPUs (srun's default is one per task): a node command
+    # all of them, for the ranks its torchrun starts; a rank its part.
+    cpus = int(os.environ.get("SLURM_CPUS_ON_NODE", "1").split("(")[0] or 1)
+    tasks = int(os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1) if mode == "rank" else 1
+    cmd = ["srun", "--export=ALL", "--kill-on-bad-exit=0", f"--cpus-per-task={max(1, cpus // tasks)}",
+           sys.executable, "-m", "gpufleet.launch.slurm_node", "task", mode, str(folder)]  # fmt: skip
     step = subprocess.Popen(cmd)
     while True:
         try:
@@ -74,6 +87,7 @@ def _rank_task(folder: Path) -> int:
         ROLE_RANK=rank, WORLD_SIZE=world, ROLE_WORLD_SIZE=world,
         LOCAL_WORLD_SIZE=env.get("SLURM_NTASKS_PER_NODE", env.get("LOCAL_WORLD_SIZE", "1")).split("(")[0],
     )  # fmt: skip
+    env.update(default_threads(env, 1, cpu_count=_cores()))  # this task's cores are this rank's
     # Slurm's TERM (a cancel) and USR1 (stacks before a timeout) are for the rank; this task reports.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -103,6 +117,7 @@ def _rank_task(folder: Path) -> int:
 def _node_task(folder: Path) -> int:
     node_rank = os.environ.get("SLURM_NODEID", "0")
     os.environ["NODE_RANK"] = node_rank
+    os.environ.update(default_threads(os.environ, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), cpu_count=_cores()))
     # Slurm's TERM reaches every process of the step: the command stops, the guard reports its code,
     # and this task writes it down before it exits.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -21,6 +21,7 @@ it against ``max_retries``, and the command resumes from its newest checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -159,6 +160,8 @@ class SlurmExecutor(NodeExecutor):
         for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
             env.pop(key, None)  # each node's own (slurm_node sets them)
         env[PREEMPT_FILE_ENV] = str(self.folder / PREEMPTED_FILE)
+        if "OMP_NUM_THREADS" not in self.config.env_strings() and "OMP_NUM_THREADS" not in os.environ:
+            env.pop("OMP_NUM_THREADS", None)  # from this machine's cores: each node sets its own
         c = self.config.compute
         script = batch_script(self.folder, "node", sys.executable)
         args = [
