@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -40,6 +41,11 @@ from .slurm_job import (
 from .spec import LaunchSpec, Rendezvous
 
 __all__ = ["SlurmPlacement", "SlurmWorkerGroup", "slurm_placement"]
+
+
+def signal_name(signum: int) -> str:
+    """``USR2`` for ``signal.SIGUSR2``: how scancel names a signal."""
+    return signal.Signals(signum).name.removeprefix("SIG")
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +252,35 @@ class SlurmWorkerGroup(WorkerGroup):
                 if record is not None:
                     self._progress[rank] = record
         return self._status()
+
+    def stacks(self, timeout_s: float = 3.0) -> dict[int, str]:
+        """Every live rank's threads: SIGUSR2 to the job's tasks, each rank's faulthandler writes ``stacks-R.txt``.
+
+        Only once every rank's stack handler is in place (all progress files exist): before that the
+        signal would end a rank.
+        """
+        from .progress import STACKS_SIGNAL
+
+        job, n, folder = self.job, self.placement.world_size, self.run_dir.path
+        if job is None or not all((folder / f"progress-{r}.json").exists() for r in range(n)):
+            return {}
+        files = [folder / f"stacks-{r}.txt" for r in range(n)]
+        sizes = [f.stat().st_size if f.exists() else 0 for f in files]
+        try:
+            job.signal_tasks(signal_name(STACKS_SIGNAL))
+        except SlurmError:
+            return {}
+        got: dict[int, str] = {}
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and len(got) < n:
+            for r, f in enumerate(files):
+                if r not in got and not self._known(r) and f.exists() and f.stat().st_size > sizes[r]:
+                    time.sleep(0.1)  # let faulthandler finish the dump
+                    with open(f, "rb") as fh:
+                        fh.seek(sizes[r])
+                        got[r] = fh.read().decode("utf-8", "replace")
+            time.sleep(0.05)
+        return got
 
     # -- stopping -------------------------------------------------------------------------
     def stop(self, reason: str, grace_period_s: float, dump_stacks: bool = False) -> GroupStatus:

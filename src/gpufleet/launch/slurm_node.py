@@ -43,6 +43,11 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+def _outlive(signum: int) -> None:
+    """Let this task survive ``signum`` (a handler, not SIG_IGN: its children get the default back at exec)."""
+    signal.signal(signum, lambda *_: None)
+
+
 def _say(message: str) -> None:
     print(f"gpufleet: {message}", file=sys.stderr, flush=True)
 
@@ -88,9 +93,10 @@ def _rank_task(folder: Path) -> int:
         LOCAL_WORLD_SIZE=env.get("SLURM_NTASKS_PER_NODE", env.get("LOCAL_WORLD_SIZE", "1")).split("(")[0],
     )  # fmt: skip
     env.update(default_threads(env, 1, cpu_count=_cores()))  # this task's cores are this rank's
-    # Slurm's TERM (a cancel) and USR1 (stacks before a timeout) are for the rank; this task reports.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    # Slurm's TERM (a cancel), USR1 (stacks before a timeout) and USR2 (stacks of the hang watchdog)
+    # are for the rank; this task reports.
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        _outlive(signum)
     child = subprocess.Popen([sys.executable, "-m", "gpufleet.launch.worker", str(folder), rank], env=env,
                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              restore_signals=True)  # fmt: skip
@@ -120,7 +126,7 @@ def _node_task(folder: Path) -> int:
     os.environ.update(default_threads(os.environ, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), cpu_count=_cores()))
     # Slurm's TERM reaches every process of the step: the command stops, the guard reports its code,
     # and this task writes it down before it exits.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _outlive(signal.SIGTERM)
     command = (folder / "node-command.sh").read_text()
     log = os.open(folder / f"node-{node_rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:

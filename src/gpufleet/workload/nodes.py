@@ -337,8 +337,9 @@ class WorkloadNodeGroup(WorkerGroup):
 
         try:
             _, found = collect(self.run_id)
-        except LookupError:
-            return {}
+        except LookupError:  # none here: an executor whose nodes are elsewhere may read them there
+            remote = getattr(self.executor, "stacks", None)
+            found = remote(self.run_id) if remote is not None else []
         return {p["rank"]: p["stack"] for p in found if p["rank"] is not None}
 
     def poll(self, wait_s: float) -> GroupStatus:

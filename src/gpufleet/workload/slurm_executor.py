@@ -222,6 +222,13 @@ class SlurmExecutor(NodeExecutor):
                 return []
         return self._node_names
 
+    def stacks(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's processes and stacks, read on the job's nodes (``srun --overlap``)."""
+        from ..launch.slurm_stacks import collect_on_slurm
+
+        got = collect_on_slurm(run_id)
+        return got[1] if got else []
+
     def cancel_job(self, grace_period_s: float) -> None:
         """Cancel the attempt's job and wait until nothing of it runs."""
         if self.job is not None:
