@@ -53,6 +53,22 @@ def slurm_cluster() -> Iterator[str]:
             subprocess.run([str(SCRIPT), "stop"], capture_output=True)
 
 
+@pytest.fixture(autouse=True)
+def no_job_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test that leaves a job in Slurm's queue (and cancel it)."""
+    yield
+    if "slurm_cluster" not in request.fixturenames or not os.environ.get("SLURM_CONF"):
+        return
+    import time
+
+    deadline = time.monotonic() + 20  # a job that just ended may still be completing
+    while (left := squeue_ids()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        subprocess.run(["scancel", *left], capture_output=True)
+        pytest.fail(f"Slurm jobs left in the queue after the test: {left}")
+
+
 def squeue_ids() -> list[str]:
     """Every job id Slurm still has pending or running."""
     out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout
