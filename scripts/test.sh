@@ -27,6 +27,7 @@ if [ -x scripts/recipe_env.sh ] && [ "${GPUFLEET_SKIP_RECIPE_ENVS:-0}" != "1" ];
   echo "test.sh: the recipe environments build in the background (logs: $build_logs)"
   export GPUFLEET_RECIPE_ENVS=1 GPUFLEET_RECIPE_ENV_LOGS="$build_logs"
 fi
+[ -x scripts/slurm_local.sh ] && scripts/slurm_local.sh ensure  # Slurm's packages for tests/slurm (root + apt only)
 status=0
 .venv/bin/python -m pytest "$@" || status=$?
 if [ -n "$builder" ]; then

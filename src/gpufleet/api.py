@@ -255,7 +255,18 @@ class DistributedFunction:
         logs = LogConfig(enabled=opts.stream_logs, full_ranks=opts.log_ranks, stderr=opts.stream_stderr,
                          secrets=tuple(secrets.values()))  # fmt: skip
         make_group: Callable[[int], WorkerGroup]
-        if remote:
+        launcher = "slurm" if remote == "slurm" else "ray" if remote else "local"
+        if remote == "slurm":
+            from .launch.slurm_group import SlurmWorkerGroup, slurm_placement
+
+            slurm = slurm_placement(opts.gpus, opts.gpu_type, opts.slurm)
+
+            def make_group(attempt: int) -> WorkerGroup:
+                attempt_env = {**faults_env(opts.faults, attempt + 1), **env}
+                spec = LaunchSpec(new_run_id(name), slurm.world_size, slurm.num_nodes, slurm.use_gpus,
+                                  attempt=attempt, env=attempt_env, payload=payload)  # fmt: skip
+                return SlurmWorkerGroup(spec, RunDir.create(opts.runs_dir, spec.run_id), slurm, logs)
+        elif remote:
             from .launch.ray_group import RayPlacement, RayWorkerGroup
 
             ray_placement = RayPlacement(str(remote), opts.gpus, opts.gpu_type, dict(opts.ray_init_kwargs))
@@ -294,7 +305,7 @@ class DistributedFunction:
 
         from .registry import CallRecorder
 
-        callbacks: list[Any] = [CallRecorder(self, "ray" if remote else "local")]  # the run store's records
+        callbacks: list[Any] = [CallRecorder(self, launcher)]  # the run store's records
         from .tracking import tracking_enabled
 
         if opts.tracking and tracking_enabled():  # one MLflow run per attempt; MLflow is imported only then
@@ -302,7 +313,7 @@ class DistributedFunction:
 
             callbacks.append(
                 TrackingCallback(
-                    launcher="ray" if remote else "local",
+                    launcher=launcher,
                     function_name=getattr(self.func, "__qualname__", name),
                     gpus=opts.gpus, gpu_type=opts.gpu_type, experiment_name=opts.experiment_name,
                     max_retries=opts.max_retries, timeout=opts.timeout,

@@ -45,6 +45,8 @@ class LaunchOptions:
     secrets: dict[str, dict[str, str]] = field(default_factory=dict)
     #: The MLflow run's name (default: the run id; later attempts get ``-attempt-<n>``).
     run_name: str | None = None
+    #: With ``remote="slurm"``: ``nodes`` and the job's sbatch options (partition, account, qos, constraint, time, ...).
+    slurm: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
         """Reject wrong settings with a message that says what is allowed."""
@@ -117,7 +119,15 @@ class LaunchOptions:
         if self.run_name is not None and (not isinstance(self.run_name, str) or not self.run_name.strip()):
             raise LaunchConfigError(f"run_name must be a non-empty string (the MLflow run's name) or None, got {self.run_name!r}")
         if not isinstance(self.remote, (bool, str)):
-            raise LaunchConfigError(f"remote must be False, True or a Ray address string, got {self.remote!r}")
+            raise LaunchConfigError(f"remote must be False, True, 'slurm' or a Ray address string, got {self.remote!r}")
+        if not isinstance(self.slurm, dict):
+            raise LaunchConfigError(f"slurm must be a dict of sbatch settings (partition=..., nodes=...), got {self.slurm!r}")
+        if self.slurm and self.remote != "slurm":
+            raise LaunchConfigError("slurm=... settings are for remote='slurm'; set remote='slurm' or drop them")
+        if self.remote == "slurm":
+            from .launch.slurm_job import slurm_options
+
+            slurm_options(self.slurm, also=("nodes",))
 
 
 _OPTION_NAMES = {f for f in LaunchOptions.__dataclass_fields__}

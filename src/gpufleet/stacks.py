@@ -5,7 +5,8 @@ process of a run carries the run's id in its environment (``GPUFLEET_RUN_ID``): 
 ``@distributed`` call, and everything a workload's node command starts (torchrun and its
 children). Only this user's processes that carry exactly that id are read. Their stacks are read with py-spy, from outside and without stopping them; without
 py-spy, ranks that gpufleet launched dump their own through faulthandler (SIGUSR2). Ranks on other
-machines of a Ray cluster are not reached from here.
+machines of a Ray cluster are not reached from here; those of a run on Slurm are read on its job's
+nodes (:mod:`gpufleet.launch.slurm_stacks`) when none runs here.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def collect(run_id: str, home: str | None = None, stored: bool = True) -> tuple[
         if stack is None:
             stack = _faulthandler(proc, env) or "(no stack: install py-spy, or the process is no gpufleet rank)"
         found.append({
+            "host": os.uname().nodename,
             "rank": int(env["RANK"]) if env.get("RANK", "").isdigit() else None,
             "node_rank": env.get("NODE_RANK"), "pid": proc.pid,
             "command": " ".join(proc.cmdline())[:200], "stack": stack, "run_dir": env.get("GPUFLEET_RUN_DIR"),
@@ -126,8 +128,13 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     try:
         rid, found = collect(args.run_id, args.home)
     except LookupError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        from .launch.slurm_stacks import collect_on_slurm
+
+        on_slurm = None if args.here else collect_on_slurm(args.run_id)  # a run on Slurm: ask its nodes
+        if on_slurm is None:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        rid, found = on_slurm
     from .launch.watchdog import read_note
 
     note = next((n for n in (read_note(p["run_dir"]) for p in found if p.get("run_dir")) if n), None)
@@ -151,4 +158,5 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("-o", "--output", choices=["text", "json"], default="text")
     p.add_argument("--home", default=None,
                    help="gpufleet state folder holding the run store (default: $GPUFLEET_HOME or ~/.gpufleet)")
+    p.add_argument("--here", action="store_true", help=argparse.SUPPRESS)  # on a Slurm node: this machine only
     p.set_defaults(handler=cmd_stacks)

@@ -368,3 +368,15 @@ def test_a_per_attempt_deadline_starts_once_the_ranks_started(tmp_path):
         timeout_s=5.0, timeout_per_attempt=True, first_attempt=1,
     )
     assert c.run() == [None, None]
+
+
+def test_a_preempted_attempt_is_resubmitted_without_spending_a_retry(tmp_path):
+    def preempted(tmp_path, clock):
+        group = FakeGroup(tmp_path, clock, [[exited(0, 75, t=1.0), exited(1, 75, t=1.0)]])
+        group.preempted = "preempted: Slurm signaled job 7 to stop"
+        return group
+
+    fail = [[exited(0, 1, t=1.0), exited(1, 1, t=1.0)]]
+    c, groups, _ = make(tmp_path, [preempted, preempted, fail, [[ok(0, "a"), ok(1, "b")]]], max_retries=1)
+    assert c.run() == ["a", "b"]  # two preemptions and one failure, with a single retry allowed
+    assert len(groups) == 4 and c.preemptions == 2

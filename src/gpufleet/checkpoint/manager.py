@@ -327,6 +327,22 @@ class CheckpointManager:
         if self.keep_last is not None:
             layout.prune(self.root, self.keep_last)
 
+    def save_if_preempted(self, step: int) -> bool:
+        """Save checkpoint ``step`` (and wait for it) if the scheduler asked the job to stop; call every step.
+
+        Under Slurm, gpufleet asks for a signal before the job's time limit or a preemption; from then on
+        this saves once and returns True, and the loop should end: the run is resubmitted and
+        :meth:`resume` continues from this step. Elsewhere it returns False at once (no collective).
+        """
+        from .preemption import preemption_requested
+
+        if not preemption_requested(self._pg):
+            return False
+        self.save(step)
+        self.wait()
+        logger.warning("checkpoint of step %d saved because the scheduler is ending the job", step)
+        return True
+
     def wait(self) -> None:
         """Wait for an asynchronous save in flight (no-op when none).
 

@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 MIN_RETRY_S = 1.0
 #: How long the other ranks may still report after a first failure.
 SETTLE_S = 1.0
+#: Attempts a run may lose to its scheduler's preemptions (resubmitted without counting as retries).
+MAX_PREEMPTIONS = 100
 
 _active: weakref.WeakSet[Controller] = weakref.WeakSet()
 
@@ -170,6 +172,7 @@ class Controller:
         self.values: list[Any] | None = None
         self.error: BaseException | None = None
         self.outcomes: list[AttemptOutcome] = []
+        self.preemptions = 0  # attempts the scheduler preempted (a group's ``preempted`` said why)
         for callback in self._callbacks:
             try:
                 getattr(callback, "attach", lambda _: None)(self)
@@ -429,7 +432,10 @@ class Controller:
         """A retried end state, retries left, not canceled, and time left for another attempt."""
         if self._cancel is not None or state not in self._retry_on:
             return False
-        if self.attempt - self._first_attempt >= self._max_retries:
+        if getattr(self.group, "preempted", None) and self.preemptions < MAX_PREEMPTIONS:
+            self.preemptions += 1  # the scheduler took the nodes back: resubmit, not a failure of the run
+            return True
+        if self.attempt - self._first_attempt - self.preemptions >= self._max_retries:
             return False
         left = self.time_left()
         if not self._timeout_per_attempt and left is not None and left < MIN_RETRY_S:

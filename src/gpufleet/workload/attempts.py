@@ -107,6 +107,12 @@ def _attempt_end(
         return AttemptEnd(
             TIMEDOUT, None, f"the attempt ran longer than timeout_minutes={timeout_minutes or 0:g} and was stopped"
         )
+    preempted = getattr(group, "preempted", None)
+    if preempted:
+        return AttemptEnd(FAILED, None, f"{preempted}; resubmitted as the next attempt, which resumes from the newest checkpoint")
+    lost = getattr(group, "lost", None)
+    if lost:
+        return AttemptEnd(FAILED, None, f"{lost}; see `gpufleet logs {group.run_id}`")
     root = error.root_cause if isinstance(error, WorkerGroupError) else None
     if root is not None and root.kind in (EXIT, SIGNAL) and root.exit_code is not None:
         rank, code = root.rank, root.exit_code

@@ -1,4 +1,4 @@
-"""Which node executor a workload gets: local (leasing its GPUs first) for one node here, Ray for a cluster."""
+"""Which node executor a workload gets: local (leasing its GPUs first) for one node here, Slurm or Ray for a cluster."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ def create_executor(config: WorkloadConfig) -> NodeExecutor:
     """The executor for a workload: local for one node here, Ray for a cluster."""
     if not needs_cluster(config):
         return local_executor(config)  # a GPU workload leases its GPUs first
+    if config.compute.cluster == "slurm":
+        from .slurm_executor import create_executor as slurm_executor
+
+        return slurm_executor(config)
     try:
         module = importlib.import_module(RAY_EXECUTOR_MODULE)
     except ModuleNotFoundError as e:

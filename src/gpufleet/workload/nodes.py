@@ -264,6 +264,16 @@ class WorkloadNodeGroup(WorkerGroup):
         env.update(default_threads(env, self.local_world_size))  # also keeps torchrun's OMP banner away
         return env
 
+    @property
+    def preempted(self) -> str | None:
+        """Why the scheduler stopped this attempt early (a Slurm preemption), or None; the controller resubmits it."""
+        return getattr(self.executor, "preempted", None)
+
+    @property
+    def lost(self) -> str | None:
+        """Why the cluster ended this attempt under its nodes (a Slurm node failure), or None."""
+        return getattr(self.executor, "lost", None)
+
     def describe_nodes(self) -> list[dict[str, Any]]:
         """What the run store records about each started node."""
         return [n.describe() for n in self.nodes]
@@ -327,8 +337,9 @@ class WorkloadNodeGroup(WorkerGroup):
 
         try:
             _, found = collect(self.run_id, stored=False)
-        except LookupError:
-            return {}
+        except LookupError:  # none here: an executor whose nodes are elsewhere may read them there
+            remote = getattr(self.executor, "stacks", None)
+            found = remote(self.run_id) if remote is not None else []
         return {p["rank"]: p["stack"] for p in found if p["rank"] is not None}
 
     def poll(self, wait_s: float) -> GroupStatus:

@@ -270,7 +270,7 @@ class Supervisor:
         finally:
             executor.close()
         end = recorder.ends[controller.attempt]
-        if controller.canceled and end.state in (FAILED, TIMEDOUT) and controller.attempt < self.run.max_attempts:
+        if controller.canceled and end.state in (FAILED, TIMEDOUT) and controller.attempt - controller.preemptions < self.run.max_attempts:
             # canceled as a failed attempt ended: the cancel, not the failure, ended the run
             what = f"attempt {controller.attempt} ended {end.state}" + (f": {end.message}" if end.message else "")
             return CANCELED, None, f"{self.cancel_reason} before attempt {controller.attempt + 1} ({what})"

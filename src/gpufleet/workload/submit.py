@@ -152,7 +152,8 @@ def plan(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]
         "cluster": c.cluster,
         "ray_driver": c.ray_driver,
         "command_runs": c.command_nodes,
-        "executor": RAY_EXECUTOR_MODULE if needs_cluster(config) else "local",
+        "executor": ("gpufleet.workload.slurm_executor" if c.cluster == "slurm" else RAY_EXECUTOR_MODULE)
+        if needs_cluster(config) else "local",
         "code_root": str(root) if root else None,
         "code_files": len(files),
         "dependencies": config.environment.dependencies,

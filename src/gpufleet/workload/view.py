@@ -353,7 +353,8 @@ def run_details(run: RunRecord, out: IO[str] | None = None) -> None:
         ("state", run.state),
         ("experiment", run.experiment),
         ("compute", f"{run.num_nodes} node(s) x {c.get('accelerator_type')} (world size {run.world_size})"
-                    + (", command run once as a Ray driver" if c.get("ray_driver") else "")),
+                    + (", command run once as a Ray driver" if c.get("ray_driver") else "")
+                    + (", on Slurm" if c.get("cluster") == "slurm" else "")),
         ("created", fmt_time(run.created_at)),
         ("started", fmt_time(run.started_at)),
         ("ended", fmt_time(run.ended_at)),
@@ -380,6 +381,9 @@ def run_details(run: RunRecord, out: IO[str] | None = None) -> None:
             out.write(f"  mlflow: {_mlflow_link(run, a.mlflow_run_id)}\n")
         if a.message:
             out.write(f"  {a.message}\n")
+        jobs = sorted({str(n["slurm_job_id"]) for n in (a.nodes or []) if n.get("slurm_job_id")})
+        if jobs:
+            out.write(f"  slurm job {', '.join(jobs)}\n")
         for n in range(run.command_nodes):
             out.write(f"  node {n} log: {Path(a.log_dir) / f'node-{n}.log'}\n")
 

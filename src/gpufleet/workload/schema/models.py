@@ -11,13 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from .slurm import SlurmConfig
 
 _GPU_TYPE_RE = re.compile(r"^GPU_([1-9][0-9]{0,3})x([A-Za-z][A-Za-z0-9-]{0,31})$")
 _CPU_TYPE_RE = re.compile(r"^CPU_([1-9][0-9]{0,3})$")
 _EXPERIMENT_RE = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_CLUSTER_RE = re.compile(r"^(auto|ray://[A-Za-z0-9.\-_\[\]:]+(:[0-9]{1,5})?|[A-Za-z0-9.\-_]+:[0-9]{1,5})$")
+_CLUSTER_RE = re.compile(r"^(auto|slurm|ray://[A-Za-z0-9.\-_\[\]:]+(:[0-9]{1,5})?|[A-Za-z0-9.\-_]+:[0-9]{1,5})$")
 
 #: Variables gpufleet sets for every node; ``env_variables`` may not set them.
 RESERVED_ENV = (
@@ -64,10 +66,15 @@ class ComputeConfig(_Strict):
     cluster: str | None = Field(
         default=None,
         description=(
-            "Ray cluster to run on: ray://<head>:<port>, <head>:<port> or 'auto'. Absent: this "
-            "machine (one node only)."
+            "Cluster to run on: a Ray cluster (ray://<head>:<port>, <head>:<port> or 'auto'), or 'slurm' "
+            "(the Slurm cluster of this login node; see compute.slurm). Absent: this machine (one node only)."
         ),
-        examples=["ray://head:10001"],
+        examples=["ray://head:10001", "slurm"],
+    )
+    slurm: SlurmConfig | None = Field(
+        default=None,
+        description="With cluster: slurm, the job's partition, account, qos, constraint, time and more sbatch options.",
+        examples=[{"partition": "gpu", "time": "04:00:00"}],
     )
 
     ray_driver: bool = Field(
@@ -96,9 +103,18 @@ class ComputeConfig(_Strict):
     def _check_cluster(cls, v: str | None) -> str | None:
         if v is not None and not _CLUSTER_RE.match(v):
             raise ValueError(
-                f"{v!r} is not a Ray cluster address; use ray://<head>:<port>, <head>:<port> or 'auto'"
+                f"{v!r} is not a Ray cluster address; use ray://<head>:<port>, <head>:<port> or 'auto' (or 'slurm': "
+                "the Slurm cluster of this login node)"
             )
         return v
+
+    @model_validator(mode="after")
+    def _check_slurm(self) -> ComputeConfig:
+        if self.slurm is not None and self.cluster != "slurm":
+            raise ValueError("compute.slurm is given but compute.cluster is not 'slurm'; set cluster: slurm")
+        if self.cluster == "slurm" and self.ray_driver:
+            raise ValueError("compute.ray_driver needs a Ray cluster; on Slurm the command runs once per node")
+        return self
 
     @property
     def per_node(self) -> int:

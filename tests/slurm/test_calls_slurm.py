@@ -1,0 +1,102 @@
+"""Decorated calls on the real local Slurm cluster: ``@distributed(remote="slurm")`` across two nodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpufleet import distributed
+from tests.proc import run_processes
+from tests.slurm.conftest import squeue_ids
+
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
+
+
+class StepDiverged(ValueError):
+    """An exception type of the caller's own."""
+
+
+def all_reduce_and_report(scale: float) -> dict:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from gpufleet import runtime
+
+    runtime.setup()
+    t = torch.tensor([float(runtime.get_global_rank() + 1)])
+    dist.all_reduce(t)
+    print(f"hello from rank {runtime.get_global_rank()} on {os.environ['SLURMD_NODENAME']}", flush=True)
+    return {"rank": runtime.get_global_rank(), "node": runtime.get_node_rank(), "sum": t.item() * scale,
+            "world": runtime.get_world_size(), "slurm_node": os.environ["SLURMD_NODENAME"]}
+
+
+def test_two_node_call_returns_every_rank_in_order_with_logs(tmp_path, capfd) -> None:
+    f = distributed(all_reduce_and_report, gpus=2, gpu_type="cpu", remote="slurm", slurm={"nodes": 2, "time": "5"},
+                    runs_dir=str(tmp_path), timeout=240, tracking=False, log_ranks="all")  # fmt: skip
+    handle = f.submit(2.0)
+    values = handle.result()
+    assert values == [
+        {"rank": 0, "node": 0, "sum": 6.0, "world": 2, "slurm_node": "node1"},
+        {"rank": 1, "node": 1, "sum": 6.0, "world": 2, "slurm_node": "node2"},
+    ]
+    out = capfd.readouterr().out
+    assert "[rank 0] hello from rank 0 on node1" in out
+    assert "[rank 1] hello from rank 1 on node2" in out
+    assert "hello from rank 1 on node2" in handle.logs(1)
+    assert squeue_ids() == [] or _wait_empty()
+    assert run_processes(handle.run_id) == []
+
+
+def _wait_empty(timeout: float = 30.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while squeue_ids():
+        assert time.monotonic() < deadline, f"jobs left in squeue: {squeue_ids()}"
+        time.sleep(0.5)
+    return True
+
+
+def raise_on_rank_one() -> int:
+    from gpufleet import runtime
+
+    if runtime.get_global_rank() == 1:
+        raise StepDiverged("loss is nan at step 7")
+    return 0
+
+
+def test_a_raising_rank_gives_the_caller_its_own_exception(tmp_path) -> None:
+    f = distributed(raise_on_rank_one, gpus=2, gpu_type="cpu", remote="slurm", slurm={"nodes": 2},
+                    runs_dir=str(tmp_path), timeout=240, tracking=False)  # fmt: skip
+    with pytest.raises(StepDiverged, match="loss is nan at step 7") as info:
+        f.distributed()
+    assert "raise StepDiverged" in str(info.value.__cause__)  # the remote traceback
+    assert _wait_empty()
+
+
+def sleep_after_hello() -> None:
+    import time
+
+    print("rank is up", flush=True)
+    time.sleep(300)
+
+
+def test_cancel_of_a_running_call_empties_squeue(tmp_path) -> None:
+    import time
+
+    from gpufleet.errors import RunCanceledError
+
+    f = distributed(sleep_after_hello, gpus=2, gpu_type="cpu", remote="slurm", slurm={"nodes": 2},
+                    runs_dir=str(tmp_path), timeout=240, tracking=False, grace_period_s=1.0)  # fmt: skip
+    handle = f.submit()
+    deadline = time.monotonic() + 120
+    while "rank is up" not in handle.logs(0) or "rank is up" not in handle.logs(1):
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.3)
+    assert squeue_ids()
+    handle.cancel()
+    with pytest.raises(RunCanceledError):
+        handle.result()
+    assert squeue_ids() == []  # cancel returns once Slurm has the job off the nodes
+    assert run_processes(handle.run_id) == []

@@ -1,0 +1,234 @@
+"""CLI workloads on the real local Slurm cluster (two emulated nodes): ``compute.cluster: slurm``."""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.slurm.conftest import squeue_ids
+from tests.workload.helpers import cli, cli_json, wait_no_processes, write_workload
+
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
+
+TRAIN = textwrap.dedent(
+    """
+    import os
+    import torch, torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    keys = ["NUM_NODES", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURMD_NODENAME"]
+    env = " ".join(f"{k}={os.environ[k]}" for k in keys)
+    print(f"rank={dist.get_rank()} sum={t.item()} secret={os.environ['TOKEN'] == 's3cr3t-value'} {env}", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+TORCHRUN = (
+    "torchrun --nnodes=$NUM_NODES --node_rank=$NODE_RANK --nproc_per_node=$LOCAL_WORLD_SIZE "
+    "--master_addr=$MASTER_ADDR --master_port=$MASTER_PORT train.py\n"
+)
+
+
+def slurm_workload(tmp_path: Path, monkeypatch, name: str, command: str, files: dict[str, str] | None = None,
+                   slurm: dict | None = None, **fields) -> Path:  # fmt: skip
+    """A two-node CPU workload folder for the local cluster, in a private GPUFLEET_HOME; its YAML."""
+    monkeypatch.setenv("GPUFLEET_HOME", str(tmp_path / "home"))
+    code = tmp_path / "project"
+    code.mkdir()
+    for file_name, text in (files or {}).items():
+        (code / file_name).write_text(text)
+    compute = {"accelerator_type": "CPU_1", "num_accelerators": 2, "cluster": "slurm"}
+    if slurm is not None:
+        compute["slurm"] = slurm
+    return write_workload(code, experiment_name=name, compute=compute, code_source={"root_path": "."},
+                          command=command, **fields)  # fmt: skip
+
+
+def test_torchrun_once_per_node_on_two_slurm_nodes(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("SLURM_TEST_TOKEN", "s3cr3t-value")
+    yaml_path = slurm_workload(tmp_path, monkeypatch, "slurm-two-nodes", TORCHRUN, files={"train.py": TRAIN},
+                               slurm={"partition": "debug", "time": "5"}, secrets={"TOKEN": {"env": "SLURM_TEST_TOKEN"}})  # fmt: skip
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--watch", "--no-tracking")
+    assert rc == 0, out + err
+    run_id = out.splitlines()[0]
+    run = cli_json(capsys, "get", run_id)
+    assert run["state"] == "SUCCESS", run
+    nodes = run["attempts"][0]["nodes"]
+    assert [n["node_rank"] for n in nodes] == [0, 1]
+    job_id = nodes[0]["slurm_job_id"]
+    assert job_id and nodes[1]["slurm_job_id"] == job_id
+    folder = Path(run["attempts"][0]["log_dir"])
+    for node in (0, 1):
+        log = (folder / f"node-{node}.log").read_text()
+        assert f"rank={node} sum=3.0 secret=True NUM_NODES=2 NODE_RANK={node} WORLD_SIZE=2 LOCAL_WORLD_SIZE=1 " \
+               f"SLURMD_NODENAME=node{node + 1}" in log, log  # fmt: skip
+    # the secret is in no file of the run folder (the batch script holds paths only)
+    for path in folder.rglob("*"):
+        if path.is_file():
+            assert b"s3cr3t-value" not in path.read_bytes(), path
+    assert job_id not in squeue_ids()
+    assert wait_no_processes(run_id) == []
+
+
+def _wait(predicate, what: str, timeout: float = 150.0, every: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+
+
+def _job_of(capsys, run_id: str, attempt: int = 1) -> str | None:
+    run = cli_json(capsys, "get", run_id)
+    attempts = [a for a in run["attempts"] if a["attempt"] == attempt]
+    nodes = attempts[0]["nodes"] if attempts else []
+    return nodes[0].get("slurm_job_id") if nodes else None
+
+
+SLEEPER = 'echo "node $NODE_RANK up"; touch "$MARKER_DIR/up-$NODE_RANK"; sleep 300\n'
+
+
+def test_cancel_leaves_nothing_in_squeue_or_on_the_nodes(tmp_path: Path, monkeypatch, capsys) -> None:
+    yaml_path = slurm_workload(tmp_path, monkeypatch, "slurm-cancel", SLEEPER, env_variables={"MARKER_DIR": str(tmp_path)})
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--no-tracking")
+    assert rc == 0, out + err
+    run_id = out.split()[0]
+    _wait(lambda: (tmp_path / "up-0").exists() and (tmp_path / "up-1").exists(), "both nodes to start")
+    job_id = _job_of(capsys, run_id)
+    assert job_id in squeue_ids()
+    from gpufleet.launch.slurm_stacks import collect_on_slurm
+
+    rid, found = collect_on_slurm(run_id[:-3])  # read on the job's nodes, through srun --overlap
+    assert rid == run_id and {"0", "1"} <= {p["node_rank"] for p in found}, found
+    rc, out, err = cli(capsys, "cancel", run_id)
+    assert rc == 0, out + err
+    _wait(lambda: cli_json(capsys, "get", run_id)["state"] == "CANCELED", "the run to end CANCELED")
+    assert job_id not in squeue_ids()
+    assert wait_no_processes(run_id) == []
+
+
+PREEMPTIBLE = textwrap.dedent(
+    """
+    import os, time
+    import torch
+    from gpufleet.checkpoint import CheckpointManager
+
+    attempt = os.environ["GPUFLEET_ATTEMPT"]
+    model = torch.nn.Linear(1, 1)
+    torch.nn.init.zeros_(model.weight)               # after step N the weight is exactly N
+    manager = CheckpointManager(os.environ["GPUFLEET_CHECKPOINT_DIR"], model=model)
+    start = manager.resume() or 0
+    for step in range(start, 12):
+        with torch.no_grad():
+            model.weight += 1.0                       # the state a lost step would show
+        with open(os.path.join(os.environ["MARKER_DIR"], "steps.txt"), "a") as f:
+            f.write(f"{attempt} {step + 1} {model.weight.item():g}\\n")
+        if step + 1 == 3:
+            open(os.path.join(os.environ["MARKER_DIR"], "ready"), "w").close()
+        if manager.save_if_preempted(step + 1):
+            print(f"checkpointed step {step + 1} for the scheduler", flush=True)
+            break
+        time.sleep(0.3 if step + 1 >= 3 else 0.05)
+    """
+)
+
+
+def test_a_preemption_signal_checkpoints_and_the_resubmitted_attempt_resumes(tmp_path: Path, monkeypatch, capsys) -> None:
+    yaml_path = slurm_workload(
+        tmp_path, monkeypatch, "slurm-preempt", "python train.py\n", files={"train.py": PREEMPTIBLE},
+        env_variables={"MARKER_DIR": str(tmp_path)}, max_retries=0,
+    )  # fmt: skip
+    text = yaml_path.read_text().replace("num_accelerators: 2", "num_accelerators: 1")
+    yaml_path.write_text(text)
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--no-tracking")
+    assert rc == 0, out + err
+    run_id = out.split()[0]
+    _wait(lambda: (tmp_path / "ready").exists(), "the first attempt to train a few steps")
+    job_id = _job_of(capsys, run_id)
+    # what Slurm does `signal_before_s` before the time limit (--signal=B:USR1@N)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
+    run = _wait(lambda: (r := cli_json(capsys, "get", run_id))["state"] in ("SUCCESS", "FAILED") and r, "the run to end")
+    assert run["state"] == "SUCCESS", run
+    assert [a["attempt"] for a in run["attempts"]] == [1, 2]  # max_retries=0: a preemption is not a retry
+    assert "preempted" in run["attempts"][0]["message"] and job_id in run["attempts"][0]["message"]
+    assert _job_of(capsys, run_id, 2) != job_id  # resubmitted as a new job
+    lines = [line.split() for line in (tmp_path / "steps.txt").read_text().splitlines()]
+    first = [int(s) for a, s, _ in lines if a == "1"]
+    second = [int(s) for a, s, _ in lines if a == "2"]
+    assert second and second[0] == first[-1] + 1, lines  # resumed right after the checkpointed step
+    assert [float(w) for _, _, w in lines] == [float(s) for _, s, _ in lines] == [float(i + 1) for i in range(12)]  # nothing lost
+    rc, out, _ = cli(capsys, "get", run_id)
+    assert "attempt 1: FAILED" in out and "preempted" in out and f"slurm job {job_id}" in out
+    assert job_id not in squeue_ids()
+    assert wait_no_processes(run_id) == []
+
+
+def test_bad_slurm_keys_fail_validation_listing_every_error(tmp_path: Path, capsys) -> None:
+    yaml_path = write_workload(
+        tmp_path, experiment_name="bad-slurm", command="true",
+        compute={"accelerator_type": "CPU_1", "num_accelerators": 2, "cluster": "slurm",
+                 "slurm": {"partiton": "gpu", "time": "forever", "sbatch_args": ["--nodes=4", "mem=1G"], "qos": 3}},
+    )  # fmt: skip
+    rc, out, err = cli(capsys, "validate", "-f", str(yaml_path))
+    assert rc != 0
+    text = out + err
+    assert "compute.slurm: unknown key 'partiton' (did you mean 'partition'?)" in text
+    assert "compute.slurm.time" in text and "not a Slurm time limit" in text
+    assert "--nodes is set by gpufleet" in text and "'mem=1G' is not an option" in text
+    assert "compute.slurm.qos" in text
+
+
+def _kill_node(name: str) -> None:
+    """What a dead node looks like: its slurmd, the job steps' slurmstepd on it and their tasks all gone."""
+    import os
+    import signal
+
+    import psutil
+
+    from tests.slurm.conftest import STATE
+
+    victims = [int(Path(STATE, f"slurmd-{name}.pid").read_text())]
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("SLURMD_NODENAME") == name:
+                victims.append(p.pid)
+                parent = p.parent()
+                if parent is not None and parent.name().startswith("slurmstepd"):
+                    victims.append(parent.pid)
+        except (psutil.Error, OSError):
+            continue
+    for pid in set(victims):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_node_that_dies_fails_the_attempt_clearly(tmp_path: Path, monkeypatch, capsys) -> None:
+    from tests.slurm.conftest import SCRIPT
+
+    yaml_path = slurm_workload(tmp_path, monkeypatch, "slurm-node-dies", SLEEPER, env_variables={"MARKER_DIR": str(tmp_path)})
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--no-tracking")
+    assert rc == 0, out + err
+    run_id = out.split()[0]
+    _wait(lambda: (tmp_path / "up-0").exists() and (tmp_path / "up-1").exists(), "both nodes to start")
+    job_id = _job_of(capsys, run_id)
+    try:
+        _kill_node("node2")
+        run = _wait(lambda: (r := cli_json(capsys, "get", run_id))["state"] not in ("PENDING", "RUNNING") and r,
+                    "the run to end after its node died", timeout=120)  # fmt: skip
+        assert run["state"] == "FAILED", run
+        message = run["attempts"][0]["message"]
+        assert job_id in message and ("NODE_FAIL" in message or "node 1" in message), message
+    finally:
+        subprocess.run([str(SCRIPT), "revive"], check=True, capture_output=True, timeout=90)
+    assert job_id not in squeue_ids()
+    assert wait_no_processes(run_id) == []
