@@ -11,8 +11,10 @@ lock file, which is how a waiting run, ``gpufleet ps`` and :class:`GPUUnavailabl
 A run takes its GPUs all at once or not at all (taking some and waiting for the rest could
 deadlock two runs), retrying every quarter second with jitter until ``wait_s`` has passed.
 There is no queue: the first run to find enough free GPUs gets them. GPUs on which NVML shows
-compute processes that are not this process's own (nor its children's) are busy "outside
-gpufleet" and are not taken (``GPUFLEET_IGNORE_FOREIGN_GPU_PROCESSES=1`` takes them anyway).
+compute processes outside gpufleet that use them (memory or utilisation above the thresholds of
+:mod:`gpufleet.launch.gpu_processes`) are busy "outside gpufleet" and are not taken
+(``GPUFLEET_IGNORE_FOREIGN_GPU_PROCESSES=1`` takes them anyway); an idle CUDA context beside a
+free GPU is shown, not waited for.
 
 The folder: ``$GPUFLEET_LEASE_DIR``, else ``<tmp>/gpufleet-gpu-leases``, created
 ``1777`` like ``/tmp`` itself, so every user creates lock files there and none can delete
@@ -118,6 +120,8 @@ class GpuUse:
     held: bool = False
     holder: Holder | None = None
     foreign: tuple[ForeignProcess, ...] = ()
+    #: Processes outside gpufleet that are idle on it (a bare CUDA context): shown, not waited for.
+    beside: tuple[ForeignProcess, ...] = ()
 
     @property
     def free(self) -> bool:
@@ -128,7 +132,10 @@ class GpuUse:
         if self.held:
             what.append(self.holder.describe() if self.holder else "a gpufleet run whose details cannot be read")
         what.extend(p.describe() for p in self.foreign)
-        return f"GPU {self.gpu.index}: " + ("; ".join(what) or "free")
+        text = "; ".join(what) or "free"
+        if self.beside:
+            text += "; " + "; ".join(p.describe() for p in self.beside)
+        return f"GPU {self.gpu.index}: {text}"
 
 
 @dataclass(frozen=True)
@@ -274,6 +281,12 @@ class GpuLease:
         return f"GpuLease(gpus={list(self.indices)}, run={self.holder.run_id!r}, released={self.released})"
 
 
+def _busy(found: dict[str, tuple[ForeignProcess, ...]]) -> dict[str, tuple[ForeignProcess, ...]]:
+    """Of the processes outside gpufleet, those that make their GPU busy (see :class:`ForeignProcess.busy`)."""
+    busy = {uuid: tuple(p for p in procs if p.busy) for uuid, procs in found.items()}
+    return {uuid: procs for uuid, procs in busy.items() if procs}
+
+
 def _candidates(request: GpuRequest, gpus: Sequence[GPUInfo]) -> list[GPUInfo]:
     if request.named is None:
         return list(gpus)
@@ -294,7 +307,7 @@ def try_lease(
     folder = folder or lease_dir()
     candidates = _candidates(request, gpus)
     need = len(candidates) if request.named is not None else request.count
-    foreign = foreign_processes(candidates)
+    foreign = _busy(foreign_processes(candidates))
     taken: list[tuple[GPUInfo, int]] = []
     busy: list[GpuUse] = []
     try:
@@ -406,7 +419,8 @@ def gpu_uses(gpus: Sequence[GPUInfo] | None = None) -> list[GpuUse]:
     if not gpus:
         return []
     folder = lease_dir()
-    foreign = foreign_processes(gpus)
+    found = foreign_processes(gpus)
+    foreign = _busy(found)
     uses = []
     for g in gpus:
         path = _lock_path(folder, g)
@@ -423,5 +437,6 @@ def gpu_uses(gpus: Sequence[GPUInfo] | None = None) -> list[GpuUse]:
                 held, holder = True, _read_holder(fd)
             finally:
                 os.close(fd)
-        uses.append(GpuUse(g, held, holder, foreign.get(g.uuid, ())))
+        beside = tuple(p for p in found.get(g.uuid, ()) if not p.busy)
+        uses.append(GpuUse(g, held, holder, foreign.get(g.uuid, ()), beside))
     return uses
