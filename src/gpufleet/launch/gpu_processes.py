@@ -218,3 +218,21 @@ def _gpufleet_ranks(pids: set[int]) -> set[int]:
             if psutil.Process(pid).environ().get("GPUFLEET_RUN_ID"):
                 found.add(pid)
     return found
+
+
+def wait_off_gpus(pids: Sequence[int], gpus: Sequence[GPUInfo], timeout_s: float = 5.0) -> bool:
+    """Wait until NVML lists none of ``pids`` on ``gpus`` (exited processes whose memory is being freed).
+
+    True once they are off (at once on fake GPUs or without NVML); False after ``timeout_s``.
+    """
+    if not pids or not gpus or os.environ.get(FAKE_GPUS_ENV):
+        return True
+    wanted = set(pids)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = {s.pid for seen in _nvml_processes(gpus).values() for s in seen}
+        if not listed & wanted:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
