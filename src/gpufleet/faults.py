@@ -124,12 +124,16 @@ def faults_env(faults: Iterable[Fault], attempt: int = 1) -> dict[str, str]:
 # -- in the rank ----------------------------------------------------------------------------
 _armed: list[Fault] = []
 _last_step_time: float | None = None
+_timers: list[threading.Timer] = []
 
 
 def arm(rank: int) -> None:
-    """Arm this rank's faults from ``GPUFLEET_FAULTS`` (time-triggered ones start their timers)."""
+    """Arm this rank's faults from ``GPUFLEET_FAULTS`` (time-triggered ones start their timers).
+
+    Faults of an earlier call (a warm rank's) are disarmed first: a timer never outlives its call.
+    """
     global _armed, _last_step_time
-    _armed, _last_step_time = [], None
+    disarm()
     raw = os.environ.get(FAULTS_ENV)
     if not raw:
         return
@@ -140,6 +144,15 @@ def arm(rank: int) -> None:
             timer = threading.Timer(f.after, _fire, args=(f, f"{f.after:g} s after the start"))
             timer.daemon = True
             timer.start()
+            _timers.append(timer)
+
+
+def disarm() -> None:
+    """Forget this rank's faults and cancel their timers (a warm rank's call has ended)."""
+    global _armed, _last_step_time
+    _armed, _last_step_time = [], None
+    while _timers:
+        _timers.pop().cancel()
 
 
 def on_step(step: int) -> None:
