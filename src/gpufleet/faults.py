@@ -238,6 +238,7 @@ _step = 0  # the highest step seen: gpufleet's count (progress) or torch optimiz
 _torch_steps = 0
 _hooked = False
 _armed_at_start: tuple[str, int] | None = None
+_timers: list[threading.Timer] = []
 
 
 def arm(rank: int, at_start: bool = False) -> None:
@@ -245,7 +246,8 @@ def arm(rank: int, at_start: bool = False) -> None:
 
     ``at_start``: armed as the process starts (``gpufleet/fault_boot``, a workload rank that
     may never call into gpufleet); the next :func:`arm` with the same faults (``runtime.setup``)
-    then keeps them rather than arming them twice.
+    then keeps them rather than arming them twice. Faults of an earlier call (a warm rank's) are
+    disarmed first: a timer never outlives its call.
     """
     global _armed, _last_step_time, _step, _torch_steps, _armed_at_start
     raw = os.environ.get(FAULTS_ENV) or ""
@@ -253,7 +255,8 @@ def arm(rank: int, at_start: bool = False) -> None:
         armed_at_start, _armed_at_start = _armed_at_start, None
         if armed_at_start == (raw, rank):
             return
-    _armed, _last_step_time, _step, _torch_steps = [], None, 0, 0
+    disarm()
+    _step, _torch_steps = 0, 0
     if not raw:
         return
     if at_start:
@@ -265,6 +268,7 @@ def arm(rank: int, at_start: bool = False) -> None:
             timer = threading.Timer(f.after, _fire, args=(f, f"{f.after:g} s after the start"))
             timer.daemon = True
             timer.start()
+            _timers.append(timer)
     if _armed:
         _count_torch_optimizer_steps()
 
@@ -283,6 +287,14 @@ def _on_torch_step(*_: Any) -> None:
     global _torch_steps
     _torch_steps += 1
     _seen(_torch_steps)
+
+
+def disarm() -> None:
+    """Forget this rank's faults and cancel their timers (a warm rank's call has ended)."""
+    global _armed, _last_step_time
+    _armed, _last_step_time = [], None
+    while _timers:
+        _timers.pop().cancel()
 
 
 def on_step(step: int) -> None:

@@ -4,6 +4,7 @@ Prints ``GOT i,j`` once it holds them, then holds them until its stdin closes (o
 seconds pass); with ``$LEASE_MARKERS`` set, it also claims each GPU by creating a marker file
 there exclusively while it holds it, and prints ``DOUBLE i`` when a marker was already there
 (two holders of one GPU at once). ``GPUUnavailableError`` prints ``UNAVAILABLE message``.
+``$LEASE_RETRY_S`` sets how long a waiting holder pauses between tries when nobody let go.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ def main() -> int:
     run_id, count, wait = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     hold = float(sys.argv[4]) if len(sys.argv) > 4 else None
     leases.REPORT_AFTER_S = 0.0
+    if os.environ.get("LEASE_RETRY_S"):
+        leases.RETRY_S = float(os.environ["LEASE_RETRY_S"])  # how often it would look without a release
     try:
         lease = leases.acquire(leases.GpuRequest(count=count, wait_s=wait), leases.Holder(run_id, "call"),
                                on_wait=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from gpufleet.errors import GPUUnavailableError
-from gpufleet.launch.leases import GpuRequest, Holder, acquire, gpu_uses
+from gpufleet.launch.gpus import list_gpus
+from gpufleet.launch.leases import GpuRequest, Holder, acquire, gpu_uses, wanted
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,6 +81,22 @@ def test_two_processes_get_different_gpus_and_a_third_waits_for_one(holders: Hol
     assert a.stdin is not None
     a.stdin.close()  # run-a ends: its GPU goes to run-c
     assert got(c) == gpus_a
+    assert a.wait(10) == 0
+
+
+def test_a_waiting_run_takes_a_released_gpu_at_once_not_at_its_next_try(holders: Holders) -> None:
+    # the hand-off was a polling interval; a waiter now wakes when the holder's flock goes
+    a = holders.start("run-a", count=2)
+    assert got(a) == (0, 1)
+    waiter = holders.start("run-waiter", wait=600, env={"LEASE_RETRY_S": "600"})  # no try for 5-15 min
+    assert waiter.stderr is not None and "waits for 1 GPU" in waiter.stderr.readline()
+    assert wanted(list_gpus())  # a waiting run is seen by idle holders (warm ranks give their GPUs back)
+    assert a.stdin is not None
+    a.stdin.close()
+    assert waiter.stdout is not None
+    ready, _, _ = select.select([waiter.stdout], [], [], 30)  # without the wake-up: its next try in minutes
+    assert ready, "the waiting run did not take the released GPU"
+    assert got(waiter) in {(0,), (1,)}
     assert a.wait(10) == 0
 
 

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from ..errors import LaunchConfigError
+from .gpu_processes import wait_off_gpus
 from .kernel import interactive
 from .leases import GpuRequest, Holder, acquire
 
@@ -43,9 +44,15 @@ def lease_for_group(group: Any, kind: str = "call") -> None:
 
 
 def release_group_lease(group: Any) -> None:
-    """Give back a local worker group's GPUs (its ranks are gone); safe to call twice."""
+    """Give back a local worker group's GPUs (its ranks are gone); safe to call twice.
+
+    First waits (up to a few seconds) until NVML no longer lists the ranks on those GPUs: the
+    driver frees an exited process's memory a moment after it is gone, and the next run should
+    find the GPU empty rather than a rank of this run "outside gpufleet".
+    """
     lease = getattr(group, "lease", None)
-    if lease is not None:
+    if lease is not None and not lease.released:
+        wait_off_gpus(getattr(group, "pids", []), lease.gpus)
         lease.release()
 
 

@@ -9,10 +9,17 @@ without any clean-up. The holder writes who it is (run id, kind, pid, user, sinc
 lock file, which is how a waiting run, ``gpufleet ps`` and :class:`GPUUnavailableError` name it.
 
 A run takes its GPUs all at once or not at all (taking some and waiting for the rest could
-deadlock two runs), retrying every quarter second with jitter until ``wait_s`` has passed.
+deadlock two runs). A waiting run tries again the moment a holder lets go (a thread per held lock
+file blocks in a shared ``flock`` until the exclusive one is released: the hand-off takes
+milliseconds, not a polling interval), and otherwise every second with jitter (for processes
+outside gpufleet) until ``wait_s`` has passed. While it waits it holds a shared ``flock`` on each
+wanted GPU's ``gpu-<uuid>.want`` file, which is how idle warm ranks (:mod:`gpufleet.launch.warm`)
+and :func:`wanted` know that someone waits for their GPUs.
 There is no queue: the first run to find enough free GPUs gets them. GPUs on which NVML shows
-compute processes that are not this process's own (nor its children's) are busy "outside
-gpufleet" and are not taken (``GPUFLEET_IGNORE_FOREIGN_GPU_PROCESSES=1`` takes them anyway).
+compute processes outside gpufleet that use them (memory or utilisation above the thresholds of
+:mod:`gpufleet.launch.gpu_processes`) are busy "outside gpufleet" and are not taken
+(``GPUFLEET_IGNORE_FOREIGN_GPU_PROCESSES=1`` takes them anyway); an idle CUDA context beside a
+free GPU is shown, not waited for.
 
 The folder: ``$GPUFLEET_LEASE_DIR``, else ``<tmp>/gpufleet-gpu-leases``, created
 ``1777`` like ``/tmp`` itself, so every user creates lock files there and none can delete
@@ -56,8 +63,9 @@ from .gpu_processes import ForeignProcess, foreign_processes
 from .gpus import FAKE_GPUS_ENV, GPUInfo, list_gpus
 
 LEASE_DIR_ENV = "GPUFLEET_LEASE_DIR"
-#: Seconds between two tries of a waiting lease (jittered by +-50 %).
-RETRY_S = 0.25
+#: Seconds between two tries of a waiting lease (jittered by +-50 %) when no holder let go
+#: meanwhile; a release wakes the waiter at once.
+RETRY_S = 1.0
 #: A waiting run says who holds its GPUs once it has waited this long (seconds; a run that ends
 #: frees its GPUs once its ranks have exited, which the next call may wait a moment for)...
 REPORT_AFTER_S = 2.0
@@ -139,6 +147,8 @@ class GpuUse:
     holder: Holder | None = None
     foreign: tuple[ForeignProcess, ...] = ()
     blocked: str = ""  # why its lock file cannot be used (see PlantedLockError)
+    #: Processes outside gpufleet that are idle on it (a bare CUDA context): shown, not waited for.
+    beside: tuple[ForeignProcess, ...] = ()
 
     @property
     def free(self) -> bool:
@@ -149,6 +159,7 @@ class GpuUse:
         if self.held:
             what.append(self.holder.describe() if self.holder else "a gpufleet run whose details cannot be read")
         what.extend(p.describe() for p in self.foreign)
+        what.extend(p.describe() for p in self.beside)
         return printable(f"GPU {self.gpu.index}: " + ("; ".join(what) or "free"))  # process names, too, are anyone's
 
 
@@ -255,9 +266,9 @@ def _planted(path: Path, what: str) -> PlantedLockError:
     return PlantedLockError(f"its lock file {path} is {what}{maker}; only they or root can remove it")
 
 
-def _lock_path(folder: Path, gpu: GPUInfo) -> Path:
+def _lock_path(folder: Path, gpu: GPUInfo, suffix: str = ".lock") -> Path:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in gpu.uuid) or f"index-{gpu.index}"
-    return folder / f"gpu-{safe}.lock"
+    return folder / f"gpu-{safe}{suffix}"
 
 
 def _open_lock(path: Path) -> int:
@@ -329,6 +340,17 @@ class GpuLease:
     def released(self) -> bool:
         return not self._fds
 
+    def rename(self, holder: Holder) -> None:
+        """Name another holder of these GPUs (a warm rank's next call, or its idle ranks)."""
+        with self._lock:
+            self.holder = holder
+            for fd in self._fds:
+                _write_holder(fd, holder)
+
+    def wanted(self) -> bool:
+        """Whether another run waits for one of these GPUs (or ``gpufleet cancel`` asks for them)."""
+        return wanted(self.gpus)
+
     def release(self) -> None:
         """Give the GPUs back (safe to call twice)."""
         with self._lock:
@@ -346,6 +368,12 @@ class GpuLease:
 
     def __repr__(self) -> str:
         return f"GpuLease(gpus={list(self.indices)}, run={self.holder.run_id!r}, released={self.released})"
+
+
+def _busy(found: dict[str, tuple[ForeignProcess, ...]]) -> dict[str, tuple[ForeignProcess, ...]]:
+    """Of the processes outside gpufleet, those that make their GPU busy (see :class:`ForeignProcess.busy`)."""
+    busy = {uuid: tuple(p for p in procs if p.busy) for uuid, procs in found.items()}
+    return {uuid: procs for uuid, procs in busy.items() if procs}
 
 
 def _candidates(request: GpuRequest, gpus: Sequence[GPUInfo]) -> list[GPUInfo]:
@@ -368,7 +396,7 @@ def try_lease(
     folder = folder or lease_dir()
     candidates = _candidates(request, gpus)
     need = len(candidates) if request.named is not None else request.count
-    foreign = foreign_processes(candidates)
+    foreign = _busy(foreign_processes(candidates))
     taken: list[tuple[GPUInfo, int]] = []
     busy: list[GpuUse] = []
     try:
@@ -404,6 +432,104 @@ def try_lease(
     finally:
         for _, fd in taken:  # not enough: give back what was taken, all or nothing
             os.close(fd)
+
+
+class _Waiting:
+    """What a waiting run holds while it waits: a shared lock on each wanted GPU's ``.want`` file,
+    and a thread per held lock file that sets ``released`` when its holder lets go."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.released = threading.Event()
+        self._wants: dict[Path, int] = {}
+        self._watched: set[Path] = set()
+        self._lock = threading.Lock()
+
+    def want(self, gpus: Sequence[GPUInfo]) -> None:
+        for g in gpus:
+            path = _lock_path(self.folder, g, ".want")
+            if path in self._wants:
+                continue
+            try:
+                fd = _open_lock(path)
+            except LeaseDirError:
+                continue  # an unusable want file only means idle warm ranks do not hear of this wait
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                self._wants[path] = fd
+            except OSError:
+                os.close(fd)
+
+    def watch(self, path: Path) -> None:
+        with self._lock:
+            if path in self._watched:
+                return
+            self._watched.add(path)
+        threading.Thread(target=self._watch, args=(path,), name="gpufleet-lease-watch", daemon=True).start()
+
+    def _watch(self, path: Path) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            fd = -1
+        try:
+            if fd >= 0 and stat.S_ISREG(os.fstat(fd).st_mode):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    time.sleep(random.uniform(0.005, 0.03))  # not held now: no tight loop between waiters
+                except BlockingIOError:
+                    fcntl.flock(fd, fcntl.LOCK_SH)  # blocks until the holder's exclusive lock is gone
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError:
+            pass
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            with self._lock:
+                self._watched.discard(path)
+            self.released.set()
+
+    def close(self) -> None:
+        for fd in self._wants.values():
+            os.close(fd)
+        self._wants.clear()
+
+
+def wanted(gpus: Sequence[GPUInfo], folder: Path | None = None) -> bool:
+    """Whether a run waits for one of ``gpus`` now (it holds a shared lock on the GPU's ``.want`` file)."""
+    folder = folder or lease_dir()
+    for g in gpus:
+        try:
+            fd = os.open(_lock_path(folder, g, ".want"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return False
+
+
+def want(gpus: Sequence[GPUInfo], seconds: float, until: Callable[[], bool]) -> bool:
+    """Ask for ``gpus`` as a waiting run does, for up to ``seconds`` or until ``until()`` is true; returns ``until()``.
+
+    ``gpufleet cancel`` of idle warm ranks uses it: they give their GPUs back when someone waits.
+    """
+    waiting = _Waiting(lease_dir())
+    try:
+        waiting.want(gpus)
+        deadline = time.monotonic() + seconds
+        while not until() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return until()
+    finally:
+        waiting.close()
 
 
 def waiting_message(request: GpuRequest, holder: Holder, busy: list[GpuUse], total: int, wait_s: float | None) -> str:
@@ -454,28 +580,42 @@ def acquire(
     start = time.monotonic()
     reported: tuple[Any, ...] | None = None
     reported_at = 0.0
-    while True:
-        lease, busy = try_lease(request, holder, gpus, folder)
-        if lease is not None:
-            return lease
-        if abort is not None and abort.is_set():
-            raise canceled() if canceled else RuntimeError("canceled while waiting for GPUs")
-        now = time.monotonic()
-        if request.wait_s is not None and now - start >= request.wait_s:
-            raise GPUUnavailableError(unavailable_message(request, holder, busy, total, now - start))
-        key = tuple((u.gpu.index, u.holder.run_id if u.holder else None, u.foreign) for u in busy)
-        due = key != reported or now - reported_at >= REPORT_EVERY_S
-        after = REPORT_AFTER_S if report_after_s is None else report_after_s
-        if on_wait is not None and now - start >= after and due:
-            reported, reported_at = key, now
-            on_wait(waiting_message(request, holder, busy, total, request.wait_s))
-        pause = RETRY_S * random.uniform(0.5, 1.5)
-        if request.wait_s is not None:
-            pause = max(0.0, min(pause, request.wait_s - (now - start)))
-        if abort is not None:
-            abort.wait(pause)
-        else:
-            time.sleep(pause)
+    waiting = _Waiting(folder)
+    try:
+        while True:
+            lease, busy = try_lease(request, holder, gpus, folder)
+            if lease is not None:
+                return lease
+            if abort is not None and abort.is_set():
+                raise canceled() if canceled else RuntimeError("canceled while waiting for GPUs")
+            now = time.monotonic()
+            if request.wait_s is not None and now - start >= request.wait_s:
+                raise GPUUnavailableError(unavailable_message(request, holder, busy, total, now - start))
+            waiting.want(_candidates(request, gpus))
+            waiting.released.clear()
+            for use in busy:
+                if use.held:
+                    waiting.watch(_lock_path(folder, use.gpu))
+            key = tuple((u.gpu.index, u.holder.run_id if u.holder else None, u.foreign) for u in busy)
+            due = key != reported or now - reported_at >= REPORT_EVERY_S
+            after = REPORT_AFTER_S if report_after_s is None else report_after_s
+            if on_wait is not None and now - start >= after and due:
+                reported, reported_at = key, now
+                on_wait(waiting_message(request, holder, busy, total, request.wait_s))
+            pause = RETRY_S * random.uniform(0.5, 1.5)
+            if on_wait is not None and now - start < after:
+                pause = min(pause, after - (now - start) + 0.01)  # the first message is due then
+            if request.wait_s is not None:
+                pause = max(0.0, min(pause, request.wait_s - (now - start)))
+            deadline = now + pause
+            # A release (a holder let go) ends the pause at once; an abort within 50 ms.
+            while not waiting.released.is_set() and not (abort is not None and abort.is_set()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                waiting.released.wait(min(left, 0.05))
+    finally:
+        waiting.close()
 
 
 def gpu_uses(gpus: Sequence[GPUInfo] | None = None) -> list[GpuUse]:
@@ -484,7 +624,8 @@ def gpu_uses(gpus: Sequence[GPUInfo] | None = None) -> list[GpuUse]:
     if not gpus:
         return []
     folder = lease_dir()
-    foreign = foreign_processes(gpus)
+    found = foreign_processes(gpus)
+    foreign = _busy(found)
     uses = []
     for g in gpus:
         path = _lock_path(folder, g)
@@ -503,5 +644,6 @@ def gpu_uses(gpus: Sequence[GPUInfo] | None = None) -> list[GpuUse]:
                 held, holder = True, _read_holder(fd)
             finally:
                 os.close(fd)
-        uses.append(GpuUse(g, held, holder, foreign.get(g.uuid, ()), blocked))
+        beside = tuple(p for p in found.get(g.uuid, ()) if not p.busy)
+        uses.append(GpuUse(g, held, holder, foreign.get(g.uuid, ()), blocked=blocked, beside=beside))
     return uses

@@ -282,8 +282,9 @@ class LocalWorkerGroup(WorkerGroup):
             if any(p.poll() is None for p in self._procs) or run_processes(self.run_id):
                 logger.warning("run %s: stopping processes still running after every rank returned", self.run_id)
                 stop_tree(self._procs, self._grace_period_s, self.run_id)
+            release_group_lease(self)  # the ranks are gone: a waiting run takes the GPUs now
             for pump in self._pumps:
                 pump.close()
         finally:
-            release_group_lease(self)  # once the ranks are gone
+            release_group_lease(self)
             _reapers.discard(threading.current_thread())

@@ -14,9 +14,12 @@ when the calling process ends (ranks also end themselves when their caller dies)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -32,18 +35,26 @@ from ..results import RunDir
 from .gpu_requests import lease_for_group, release_group_lease
 from .group import GroupStatus
 from .kernel import interactive
+from .leases import Holder
 from .local import LocalPlacement, LocalWorkerGroup
 from .logstream import LogConfig, RankLog
 from .ports import find_free_port
 from .proctree import stop_tree
 from .spec import LaunchSpec, Rendezvous
-from .warm_worker import JOB_END
+from .warm_worker import JOB_END, REPLACE_SUFFIX
 
 logger = logging.getLogger(__name__)
 
 #: ``keep_warm=True`` keeps idle ranks this long (seconds).
 DEFAULT_KEEP_WARM_S = 600.0
+#: How often idle ranks are checked: past ``keep_warm``, or another run waits for their GPUs.
+REAP_EVERY_S = 0.25
+#: The holder kind idle warm ranks are named with in their GPU lease.
+WARM_KIND = "warm"
+_CONTROL_PREFIX = "gpufleet-warm-"
+_OWNER_LOCK = "owner.lock"
 _END = (JOB_END + "\n").encode()
+_END_REPLACE = (JOB_END + REPLACE_SUFFIX + "\n").encode()
 
 
 def resolve_keep_warm(value: float | bool | None) -> float:
@@ -64,6 +75,8 @@ class _Pump:
         self._log: RankLog | None = None
         self._lock = threading.Lock()
         self._ends = {False: threading.Event(), True: threading.Event()}
+        #: The rank said, with its end-of-job mark, that it cannot serve another call.
+        self.replace = False
         for pipe, is_stderr in ((proc.stdout, False), (proc.stderr, True)):
             threading.Thread(target=self._pump, args=(pipe, is_stderr), daemon=True).start()
 
@@ -80,13 +93,18 @@ class _Pump:
 
     def _pump(self, pipe: IO[bytes], is_stderr: bool) -> None:
         for line in iter(pipe.readline, b""):
-            if line == _END:
-                self._ends[is_stderr].set()
-                continue
+            end = line.endswith(_END) or line.endswith(_END_REPLACE)
+            if end:  # at the end of a line: the call may have left a partial line before it
+                if line.endswith(_END_REPLACE):
+                    self.replace = True
+                line = line[: line.rindex(JOB_END.encode())]
+                line = line + b"\n" if line else line
             with self._lock:
                 log = self._log
-            if log is not None:
+            if log is not None and line:
                 log.write(line, is_stderr)
+            if end:
+                self._ends[is_stderr].set()
         pipe.close()
         self._ends[is_stderr].set()
 
@@ -121,6 +139,8 @@ class WarmRanks:
     calls: int = 0
     #: The GPU lease of these ranks (:mod:`gpufleet.launch.leases`), held while they live, idle or not.
     lease: Any = None
+    #: A descriptor of ``control_dir/owner.lock``, ``flock``ed while this process lives (see :func:`sweep_control_dirs`).
+    owner_fd: int = -1
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
@@ -142,8 +162,16 @@ class WarmRanks:
         for pump in self.pumps:
             pump.close()
         shutil.rmtree(self.control_dir, ignore_errors=True)
+        if self.owner_fd >= 0:
+            os.close(self.owner_fd)
+            self.owner_fd = -1
         if self.lease is not None:
             self.lease.release()
+
+    def name_holder(self, run_id: str, kind: str) -> None:
+        """Say in the GPU lease who these ranks serve now: a call, or nobody (``warm``: idle, given back on demand)."""
+        if self.lease is not None:
+            self.lease.rename(Holder(run_id, kind))
 
 
 class WarmPool:
@@ -179,8 +207,9 @@ class WarmPool:
             self._ranks[ranks.key] = ranks
         self._start_reaper()
 
-    def release(self, ranks: WarmRanks) -> None:
-        """The call ended well: the ranks wait for the next one."""
+    def release(self, ranks: WarmRanks, run_id: str) -> None:
+        """The call ended well: the ranks wait for the next one (their GPUs named as idle warm ranks of ``run_id``)."""
+        ranks.name_holder(run_id, WARM_KIND)
         with self._lock:
             ranks.busy = False
             ranks.idle_since = time.monotonic()
@@ -208,16 +237,25 @@ class WarmPool:
         self._reaper.start()
 
     def _reap(self) -> None:
+        """Stop idle ranks past their ``keep_warm``, and idle ranks whose GPUs another run waits for."""
         while True:
-            time.sleep(1.0)
+            time.sleep(REAP_EVERY_S)
             now = time.monotonic()
             with self._lock:
-                expired = [r for r in self._ranks.values() if not r.busy and now - r.idle_since > r.keep_warm_s]
+                idle = [r for r in self._ranks.values() if not r.busy]
+            wanted = [r for r in idle if r.lease is not None and _wanted(r)]
+            with self._lock:
+                expired = [r for r in idle if now - r.idle_since > r.keep_warm_s or r in wanted]
+                expired = [r for r in expired if not r.busy and self._ranks.get(r.key) is r]
                 for r in expired:
                     self._ranks.pop(r.key)
+                    r.busy = True  # taken by nobody: being stopped
                 empty = not self._ranks
             for r in expired:
-                logger.info("stopping warm ranks idle for %.0f s", r.keep_warm_s)
+                if r in wanted:
+                    logger.info("stopping idle warm ranks: another run waits for their GPUs")
+                else:
+                    logger.info("stopping warm ranks idle for %.0f s", r.keep_warm_s)
                 r.stop(1.0)
             if empty:
                 return
@@ -227,8 +265,51 @@ class WarmPool:
             return list(self._ranks.values())
 
 
+def _wanted(ranks: WarmRanks) -> bool:
+    try:
+        return bool(ranks.lease.wanted())
+    except Exception:  # noqa: BLE001 - the lease folder cannot be read: keep them until keep_warm
+        return False
+
+
 POOL = WarmPool()
 atexit.register(POOL.shutdown)
+
+
+def sweep_control_dirs(runs_dir: Path) -> int:
+    """Remove the control folders of warm ranks whose caller is gone (a kernel killed with SIGKILL); returns how many.
+
+    A live caller holds an ``flock`` on its folder's ``owner.lock``; a folder without one is left
+    alone for a minute (its caller may be creating it).
+    """
+    removed = 0
+    try:
+        entries = list(os.scandir(runs_dir))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.name.startswith(_CONTROL_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        path = Path(entry.path)
+        try:
+            fd = os.open(path / _OWNER_LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            with contextlib.suppress(OSError):
+                if time.time() - entry.stat(follow_symlinks=False).st_mtime > 60:
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed += 1
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its caller lives
+        finally:
+            os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
+        removed += 1
+    return removed
 
 
 def shutdown_workers() -> int:
@@ -255,7 +336,10 @@ class WarmWorkerGroup(LocalWorkerGroup):
     def _spawn(self) -> WarmRanks:
         addr = self.placement.master_addr
         rendezvous = Rendezvous(addr, find_free_port(addr))
-        control = Path(tempfile.mkdtemp(prefix="gpufleet-warm-", dir=self.run_dir.path.parent))
+        sweep_control_dirs(self.run_dir.path.parent)
+        control = Path(tempfile.mkdtemp(prefix=_CONTROL_PREFIX, dir=self.run_dir.path.parent))
+        owner = os.open(control / _OWNER_LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(owner, fcntl.LOCK_EX)  # dropped by the kernel when this process ends, however it ends
         procs: list[subprocess.Popen[bytes]] = []
         try:
             for rank in range(self.spec.world_size):
@@ -266,9 +350,11 @@ class WarmWorkerGroup(LocalWorkerGroup):
                 ))  # fmt: skip
         except BaseException:
             stop_tree(procs, 0.5)
+            os.close(owner)
+            shutil.rmtree(control, ignore_errors=True)
             raise
         ranks = WarmRanks(self._key, self.placement.gpu_indices, procs, [_Pump(p) for p in procs], control,
-                          rendezvous, self._keep_warm_s)  # fmt: skip
+                          rendezvous, self._keep_warm_s, owner_fd=owner)  # fmt: skip
         POOL.add(ranks)
         return ranks
 
@@ -278,6 +364,7 @@ class WarmWorkerGroup(LocalWorkerGroup):
         ranks = POOL.take(self._key, self.placement.gpu_indices)
         self.reused = ranks is not None
         if ranks is not None:  # they keep the GPUs they leased when they were started
+            ranks.name_holder(self.run_id, "call")
             self.placement = dataclasses.replace(self.placement, gpu_indices=ranks.gpu_indices)
             if len(ranks.procs) != self.spec.world_size:  # gpus=None: as many as were free then
                 self.spec = dataclasses.replace(self.spec, world_size=len(ranks.procs))
@@ -297,7 +384,7 @@ class WarmWorkerGroup(LocalWorkerGroup):
             pump.serve(RankLog(rank, self.run_dir.log(rank), self._logs))
         try:
             for rank in range(self.spec.world_size):
-                self.warm.send(rank, {"run_dir": str(self.run_dir.path), "env": self._job_env(rank)})
+                self.warm.send(rank, {"run_dir": str(self.run_dir.path), "env": self._job_env(rank), "cwd": os.getcwd()})
         except OSError:  # a rank died while idle: the poll reports it
             pass
         logger.debug("run %s on %s warm ranks", self.run_id, "reused" if self.reused else "new")
@@ -320,10 +407,11 @@ class WarmWorkerGroup(LocalWorkerGroup):
             return
         self._closed = True
         warm = self.warm
-        if warm is not None and succeeded and all(p.wait_for_end(10.0) for p in warm.pumps) and warm.alive():
+        if (warm is not None and succeeded and all(p.wait_for_end(10.0) for p in warm.pumps) and warm.alive()
+                and not any(p.replace for p in warm.pumps)):  # fmt: skip
             for pump in warm.pumps:
                 pump.close()
-            POOL.release(warm)
+            POOL.release(warm, self.run_id)
         elif warm is not None:
             POOL.discard(warm)
             warm.stop(1.0)

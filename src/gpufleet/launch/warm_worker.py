@@ -1,13 +1,15 @@
 """A warm rank: one interpreter that runs call after call, keeping imports, CUDA context and process group.
 
 Run as ``python -m gpufleet.launch.warm_worker CONTROL_DIR RANK`` by :mod:`gpufleet.launch.warm`.
-Each line on stdin is a job: ``{"run_dir": ..., "env": {...}}``. The rank takes that call's
-environment (run id, run folder, attempt, tracking, faults), runs the payload in the run folder
-through the same steps as a cold worker (:func:`gpufleet.launch.worker.load_call` and
-``run_call``), writes the outcome there, frees what the call left (garbage, cached GPU memory),
-and prints an end-of-job mark on stdout and stderr so the caller knows the call's output is
-complete. The function's globals are fresh for every call (cloudpickle rebuilds them); imported
-modules stay. The process group stays up between calls: ``init_process_group`` when one is
+Each line of the job pipe (stdin when it starts; the call's own stdin is ``/dev/null``) is a
+job: ``{"run_dir": ..., "env": {...}}``. The rank takes that call's environment (run id, run
+folder, attempt, tracking, faults), runs the payload in the run folder through the same steps as
+a cold worker (:func:`gpufleet.launch.worker.load_call` and ``run_call``), writes the outcome
+there, puts back the process state the call changed (:mod:`gpufleet.launch.warm_state`), frees
+what the call left (garbage, cached GPU memory), and writes an end-of-job mark on its stdout and
+stderr descriptors so the caller knows the call's output is complete; the mark says when the
+rank must be replaced instead of serving again. The function's globals are fresh for every call
+(cloudpickle rebuilds them); imported modules stay. The process group stays up between calls: ``init_process_group`` when one is
 already up and ``destroy_process_group`` of the default group are no-ops here.
 """
 
@@ -17,6 +19,7 @@ import faulthandler
 import gc
 import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -27,8 +30,10 @@ from . import worker
 from .spec import PARENT_PID_ENV, Payload
 from .tracebacks import register_sources
 
-#: Printed alone on a line of stdout and of stderr after each job.
+#: Printed at the end of a line of stdout and of stderr after each job...
 JOB_END = "\x1egpufleet-job-end"
+#: ...followed by this when the rank cannot serve another call (its state could not be put back).
+REPLACE_SUFFIX = "-replace"
 
 
 def _keep_the_process_group() -> None:
@@ -59,19 +64,25 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()  # a warm idle rank holds its CUDA context, not the call's tensors
 
 
-def _end_of_job() -> None:
-    for stream in (sys.stdout, sys.stderr):
+def _end_of_job(replace: list[str]) -> None:
+    """Mark the end of the job on stdout and stderr (at the descriptors: the call may have replaced the streams)."""
+    for reason in replace:
+        print(f"gpufleet: this warm rank is replaced for the next call: {reason}", file=sys.stderr, flush=True)
+    mark = (JOB_END + (REPLACE_SUFFIX if replace else "") + "\n").encode()
+    for fd in (1, 2):
         try:
-            stream.write(JOB_END + "\n")
-            stream.flush()
-        except Exception:  # noqa: BLE001 - the caller's pipe closed: it is going away
+            os.write(fd, mark)
+        except OSError:  # the caller's pipe closed: it is going away
             pass
 
 
 def serve(control_dir: Path, rank: int) -> int:
-    """Run jobs from stdin until it closes; returns the exit code."""
+    """Run jobs from the job pipe until it closes; returns the exit code."""
+    from .. import faults
     from . import progress
+    from .warm_state import ColdState, devnull_stdin
 
+    jobs = os.fdopen(devnull_stdin(), "r")  # the call's stdin reads /dev/null, as a cold rank's does
     worker.KEEP_PROCESS_GROUP = True
     try:  # before the first call: its own destroy_process_group() must not end the kept group
         import torch.distributed  # noqa: F401
@@ -79,29 +90,25 @@ def serve(control_dir: Path, rank: int) -> int:
         _keep_the_process_group()
     except ImportError:
         pass
-    previous: dict[str, str] = {}
-    started = False
-    for line in sys.stdin:
+    cold: ColdState | None = None
+    for line in jobs:
         job = json.loads(line)
-        env: dict[str, str] = job["env"]
-        for name in set(previous) - set(env):
-            os.environ.pop(name, None)
-        os.environ.update(env)
-        previous = env
         run_dir = RunDir(Path(job["run_dir"]))
-        if not started:
+        if cold is None:
+            os.environ.clear()
+            os.environ.update(job["env"])
             if os.environ.get(worker.LOOPBACK_STORE_ENV) == "1" and rank == 0:
                 try:
                     worker._host_loopback_store()
                 except ImportError:
                     pass
             progress.start(rank, stacks_dir=str(control_dir))
-            started = True
+            cold = ColdState()  # the store's and the progress reporter's threads and handlers belong to the rank
         else:
-            from .. import faults
-
+            cold.job_start(job["env"], job.get("cwd"))
             progress.reset()
             faults.arm(rank)
+        cold.before_call()
         payload = Payload.read(run_dir.payload)
         for entry in payload.sys_path:
             if entry not in sys.path:
@@ -112,8 +119,10 @@ def serve(control_dir: Path, rank: int) -> int:
         if call is not None:
             worker.run_call(*call, rank, run_dir.outcome(rank))
         del call
+        faults.disarm()  # a fault timer of this call never fires in the next one
+        replace = cold.restore()
         _free_memory()
-        _end_of_job()
+        _end_of_job(replace)
     return 0
 
 
@@ -122,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     control_dir, rank = Path(argv[0]), int(argv[1])
     parent = os.environ.get(PARENT_PID_ENV)
-    if parent:
-        worker._watch_parent(int(parent))
+    if parent:  # a caller that dies leaves neither ranks, their helpers, nor their control folder
+        worker._watch_parent(int(parent), on_orphan=lambda: shutil.rmtree(control_dir, ignore_errors=True))
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     code = serve(control_dir, rank)

@@ -25,14 +25,27 @@ from .spec import LATE_ENV_VAR, PARENT_PID_ENV, Payload
 from .tracebacks import format_exception, register_sources
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Kill this rank's process group if the launching process dies (no orphans)."""
+def _watch_parent(parent_pid: int, on_orphan: Any = None) -> None:
+    """Kill this rank's process group and descendants if the launching process dies (no orphans).
+
+    Descendants that left the group (a helper that called ``setsid``) are killed first, while
+    they are still this rank's; ``on_orphan()`` runs before (a warm rank removes its control folder).
+    """
 
     def loop() -> None:
         while True:
             time.sleep(0.5)
             if os.getppid() != parent_pid:
                 try:
+                    if on_orphan is not None:
+                        with contextlib.suppress(Exception):
+                            on_orphan()
+                    with contextlib.suppress(Exception):
+                        import psutil
+
+                        for child in psutil.Process().children(recursive=True):
+                            with contextlib.suppress(psutil.Error):
+                                child.kill()
                     os.killpg(os.getpgrp(), signal.SIGKILL)
                 finally:
                     os._exit(137)

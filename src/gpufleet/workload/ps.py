@@ -122,7 +122,8 @@ def _use_dict(use: Any) -> dict[str, Any]:
     return {
         "index": use.gpu.index, "name": use.gpu.name, "uuid": use.gpu.uuid, "free": use.free, "held": use.held,
         "holder": None if use.holder is None else use.holder.__dict__,
-        "outside_gpufleet": [p.__dict__ for p in use.foreign], "used_by": use.describe().split(": ", 1)[1],
+        "outside_gpufleet": [p.__dict__ for p in use.foreign],
+        "beside": [p.__dict__ for p in getattr(use, "beside", ())], "used_by": use.describe().split(": ", 1)[1],
     }  # fmt: skip
 
 
