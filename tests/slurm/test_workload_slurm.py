@@ -106,8 +106,11 @@ def test_cancel_leaves_nothing_in_squeue_or_on_the_nodes(tmp_path: Path, monkeyp
     assert job_id in squeue_ids()
     from gpufleet.launch.slurm_stacks import collect_on_slurm
 
-    rid, found = collect_on_slurm(run_id[:-3])  # read on the job's nodes, through srun --overlap
-    assert rid == run_id and {"0", "1"} <= {p["node_rank"] for p in found}, found
+    def both_nodes_read():  # on the job's nodes, through srun --overlap
+        rid, found = collect_on_slurm(run_id[:-3]) or (None, [])
+        return rid == run_id and {"0", "1"} <= {p["node_rank"] for p in found}
+
+    _wait(both_nodes_read, "the stacks of both nodes", timeout=60, every=1.0)
     rc, out, err = cli(capsys, "cancel", run_id)
     assert rc == 0, out + err
     _wait(lambda: cli_json(capsys, "get", run_id)["state"] == "CANCELED", "the run to end CANCELED")
