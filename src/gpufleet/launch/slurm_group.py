@@ -118,6 +118,19 @@ class SlurmWorkerGroup(WorkerGroup):
     def num_nodes(self) -> int | None:
         return self.placement.num_nodes
 
+    @property
+    def slurm_job_id(self) -> str | None:
+        """The attempt's Slurm job (once submitted)."""
+        return self.job.job_id if self.job is not None else None
+
+    @property
+    def cluster_hosts(self) -> list[str]:
+        """The job's nodes, node 0 first (empty until it runs)."""
+        try:
+            return self.job.nodes() if self.job is not None else []
+        except SlurmError:
+            return []
+
     # -- starting -------------------------------------------------------------------------
     def _env(self) -> dict[str, str]:
         """The job's environment (every task's, before slurm_node adds its rank): the caller's and the contract."""
