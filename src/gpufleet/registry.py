@@ -148,14 +148,17 @@ def adopt_origin(origin: dict[str, Any]) -> None:
 def placement_of(group: WorkerGroup) -> dict[str, Any]:
     """What a started group got: this host's GPUs (or CPU processes), or Ray nodes."""
     placement = getattr(group, "placement", None)
-    if getattr(placement, "use_gpus", None) is not None:  # a local group
+    if getattr(placement, "use_gpus", None) is not None and hasattr(placement, "gpu_indices"):  # a local group
         lease = getattr(group, "lease", None)
         out: dict[str, Any] = {"host": socket.gethostname(), "device": "gpu" if placement.use_gpus else "cpu",
                                "gpus": list(placement.gpu_indices) if placement.use_gpus else []}  # fmt: skip
         if lease is not None and lease.gpus:
             out["gpu_name"] = lease.gpus[0].name
         return out
-    return {"nodes": group.num_nodes, "hosts": list(getattr(group, "cluster_hosts", []) or [])}
+    out = {"nodes": group.num_nodes, "hosts": list(getattr(group, "cluster_hosts", []) or [])}
+    if getattr(group, "slurm_job_id", None):
+        out["slurm_job_id"] = group.slurm_job_id  # type: ignore[attr-defined]
+    return out
 
 
 def _message(error: BaseException | None, env: Mapping[str, str]) -> str | None:

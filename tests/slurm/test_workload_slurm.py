@@ -106,8 +106,11 @@ def test_cancel_leaves_nothing_in_squeue_or_on_the_nodes(tmp_path: Path, monkeyp
     assert job_id in squeue_ids()
     from gpufleet.launch.slurm_stacks import collect_on_slurm
 
-    rid, found = collect_on_slurm(run_id[:-3])  # read on the job's nodes, through srun --overlap
-    assert rid == run_id and {"0", "1"} <= {p["node_rank"] for p in found}, found
+    def both_nodes_read():  # on the job's nodes, through srun --overlap
+        rid, found = collect_on_slurm(run_id[:-3]) or (None, [])
+        return rid == run_id and {"0", "1"} <= {p["node_rank"] for p in found}
+
+    _wait(both_nodes_read, "the stacks of both nodes", timeout=60, every=1.0)
     rc, out, err = cli(capsys, "cancel", run_id)
     assert rc == 0, out + err
     _wait(lambda: cli_json(capsys, "get", run_id)["state"] == "CANCELED", "the run to end CANCELED")
@@ -133,10 +136,13 @@ PREEMPTIBLE = textwrap.dedent(
             f.write(f"{attempt} {step + 1} {model.weight.item():g}\\n")
         if step + 1 == 3:
             open(os.path.join(os.environ["MARKER_DIR"], "ready"), "w").close()
+        if attempt == "1" and step + 1 >= 3:  # the first attempt goes no further before Slurm's signal
+            deadline = time.monotonic() + 120
+            while not os.path.exists(os.environ["GPUFLEET_PREEMPT_FILE"]) and time.monotonic() < deadline:
+                time.sleep(0.1)
         if manager.save_if_preempted(step + 1):
             print(f"checkpointed step {step + 1} for the scheduler", flush=True)
             break
-        time.sleep(0.3 if step + 1 >= 3 else 0.05)
     """
 )
 
@@ -163,7 +169,7 @@ def test_a_preemption_signal_checkpoints_and_the_resubmitted_attempt_resumes(tmp
     lines = [line.split() for line in (tmp_path / "steps.txt").read_text().splitlines()]
     first = [int(s) for a, s, _ in lines if a == "1"]
     second = [int(s) for a, s, _ in lines if a == "2"]
-    assert second and second[0] == first[-1] + 1, lines  # resumed right after the checkpointed step
+    assert first[-1] == 3 and second[0] == 4, lines  # checkpointed at the next step, resumed right after it
     assert [float(w) for _, _, w in lines] == [float(s) for _, s, _ in lines] == [float(i + 1) for i in range(12)]  # nothing lost
     rc, out, _ = cli(capsys, "get", run_id)
     assert "attempt 1: FAILED" in out and "preempted" in out and f"slurm job {job_id}" in out

@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a rank's outcome or exit file may take to appear once Slurm says the job ended.
 _FILE_WAIT_S = 5.0
+#: Seconds between two looks at the outcome files (they are on shared storage).
+_POLL_S = 0.25
 #: GPUs per node assumed when a call names only ``gpus`` (8 per node, the usual GPU server).
 DEFAULT_GPUS_PER_NODE = 8
 
@@ -115,6 +117,19 @@ class SlurmWorkerGroup(WorkerGroup):
     @property
     def num_nodes(self) -> int | None:
         return self.placement.num_nodes
+
+    @property
+    def slurm_job_id(self) -> str | None:
+        """The attempt's Slurm job (once submitted)."""
+        return self.job.job_id if self.job is not None else None
+
+    @property
+    def cluster_hosts(self) -> list[str]:
+        """The job's nodes, node 0 first (empty until it runs)."""
+        try:
+            return self.job.nodes() if self.job is not None else []
+        except SlurmError:
+            return []
 
     # -- starting -------------------------------------------------------------------------
     def _env(self) -> dict[str, str]:
@@ -227,7 +242,8 @@ class SlurmWorkerGroup(WorkerGroup):
                     why = f" ({state.reason})" if state.reason and state.reason != "None" else ""
                     self._failures[rank] = failures.stopped(
                         rank, f"Slurm job {job.job_id} ended {state.state}{why} before rank {rank} reported an outcome "
-                              f"(on nodes {state.nodes or '?'}): its node or the job was lost",
+                              f"(on nodes {state.nodes or '?'}): its node or the job was lost; Slurm's messages are "
+                              f"in {self.run_dir.path / 'slurm-batch.log'}",
                         time.time(), self.run_dir.log(rank))  # fmt: skip
                     news = True
         return news
@@ -241,7 +257,7 @@ class SlurmWorkerGroup(WorkerGroup):
         if self.job is not None and not self.job.ran:
             self.job.state()
         if not self._collect() and wait_s > 0:
-            self.abort.wait(max(wait_s, 0.1))
+            self.abort.wait(max(wait_s, _POLL_S))
         if len(self._results) == self.placement.world_size:
             self._last_lines()
         now = time.monotonic()

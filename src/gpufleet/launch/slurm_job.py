@@ -50,6 +50,8 @@ OWN_OPTIONS = (
     "--no-requeue", "--wrap", "--chdir", "-D", "--parsable",
 )  # fmt: skip
 _SCONTROL_WAIT_S = 20.0
+#: How long a job's last known state stands while Slurm's controller does not answer.
+UNREACHABLE_S = 300.0
 _TIME_RE = re.compile(r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2})$")
 
 
@@ -173,6 +175,7 @@ class SlurmJob:
         self._lock = threading.Lock()
         self._state: JobState | None = None
         self._read = 0.0
+        self._error_since: float | None = None
         self.ran = False  # seen running at least once
 
     @classmethod
@@ -195,10 +198,17 @@ class SlurmJob:
                 restarts = int(info.get("Restarts", "0") or 0)
                 self._state = JobState(info.get("JobState", "UNKNOWN"), info.get("Reason", ""),
                                        info.get("NodeList", ""), restarts, info.get("ExitCode", ""))  # fmt: skip
+                self._error_since = None
             except SlurmError as e:
-                if "Invalid job id" not in str(e):
-                    raise
-                self._state = JobState("UNKNOWN", "Slurm no longer knows the job")
+                if "Invalid job id" in str(e):
+                    self._state = JobState("UNKNOWN", "Slurm no longer knows the job")
+                else:  # a busy or restarting controller: the last answer stands for a while
+                    self._error_since = self._error_since or now
+                    if self._state is None or now - self._error_since > UNREACHABLE_S:
+                        raise SlurmError(f"Slurm did not answer about job {self.job_id} for "
+                                         f"{now - self._error_since:.0f} s: {e}") from e  # fmt: skip
+                    self._read = now
+                    return self._state
             self._read = now
             if self._state.running:
                 self.ran = True

@@ -9,10 +9,14 @@ as on a cluster whose nodes share one host, is listed once).
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
+import time
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 _TIMEOUT_S = 60.0
 
@@ -43,10 +47,18 @@ def collect_on_slurm(run_id: str) -> tuple[str, list[dict[str, Any]]] | None:
     rid, job_id, nodes = job
     cmd = ["srun", f"--jobid={job_id}", "--overlap", f"--nodes={nodes}", "--ntasks-per-node=1", "--export=ALL",
            sys.executable, "-m", "gpufleet.cli", "stacks", rid, "-o", "json", "--here"]  # fmt: skip
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=_TIMEOUT_S).stdout
-    except subprocess.TimeoutExpired:
-        return None
+    out = ""
+    for _ in range(3):  # a step can be refused for a moment (the job's own step still starting)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("reading the stacks of run %s on Slurm job %s took longer than %g s", rid, job_id, _TIMEOUT_S)
+            return None
+        out = done.stdout
+        if out.strip():
+            break
+        logger.warning("could not read the stacks of run %s on Slurm job %s: %s", rid, job_id, done.stderr.strip()[-500:])
+        time.sleep(1.0)
     decoder, i, seen, found = json.JSONDecoder(), 0, set(), []
     while True:
         while i < len(out) and out[i].isspace():

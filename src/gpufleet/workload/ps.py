@@ -69,6 +69,8 @@ def _placement(run: RunRecord) -> str:
         return f"GPU {gpus} ({p.get('gpu_name', 'GPU')}) on {p.get('host', '?')}"
     if p.get("device") == "cpu":
         return f"{run.world_size} CPU process(es) on {p.get('host', '?')}"
+    if p.get("slurm_job_id"):
+        return f"Slurm job {p['slurm_job_id']}: {p.get('nodes') or '?'} node(s): {', '.join(p.get('hosts') or []) or '?'}"
     if p.get("hosts") or p.get("nodes"):
         return f"{p.get('nodes') or '?'} Ray node(s): {', '.join(p.get('hosts') or []) or '?'}"
     return "- (not started)"

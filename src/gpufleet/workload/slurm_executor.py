@@ -108,7 +108,8 @@ class SlurmNodeProcess(NodeProcess):
         self._code = LOST_EXIT_CODE
         why = f" ({state.reason})" if state.reason and state.reason != "None" else ""
         self._note(f"Slurm job {job.job_id} ended {state.state}{why} before node {self.node_rank}'s command "
-                   f"reported an exit code (on nodes {state.nodes or '?'}): the node or the job was lost")  # fmt: skip
+                   f"reported an exit code (on nodes {state.nodes or '?'}): the node or the job was lost; "
+                   f"Slurm's messages are in {ex.folder / 'slurm-batch.log'}")  # fmt: skip
         return self._code
 
     def cancel(self, grace_period_s: float = GRACE_PERIOD_S) -> None:
