@@ -124,7 +124,8 @@ def private_dir(path: str | os.PathLike[str], what: str = "gpufleet's state fold
 
     Raises:
         UnsafeStateError: ``path`` is a file, belongs to another user, or group/others may
-            write to it; or it cannot be written. Nothing was read from it.
+            write to it, or so may they to a folder on the way (:func:`check_parents`); or it
+            cannot be created or written. Nothing was read from it.
     """
     p = Path(path)
     check_parents(p, what)
