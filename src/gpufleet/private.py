@@ -99,6 +99,9 @@ def check_parents(path: str | os.PathLike[str], what: str = "gpufleet's state fo
             st = os.lstat(nxt)
         except (FileNotFoundError, NotADirectoryError):
             return  # the rest is created by us, inside a folder that was checked
+        except OSError as e:  # a folder on the way we may not enter
+            raise UnsafeStateError(f"{what} {target} cannot be reached: {nxt}: {e.strerror or e}. Set "
+                                   "GPUFLEET_HOME (or runs_dir) to a folder of yours.") from e  # fmt: skip
         if stat.S_ISLNK(st.st_mode):
             links += 1
             if links > 40:
@@ -121,7 +124,8 @@ def private_dir(path: str | os.PathLike[str], what: str = "gpufleet's state fold
 
     Raises:
         UnsafeStateError: ``path`` is a file, belongs to another user, or group/others may
-            write to it; or it cannot be written. Nothing was read from it.
+            write to it, or so may they to a folder on the way (:func:`check_parents`); or it
+            cannot be created or written. Nothing was read from it.
     """
     p = Path(path)
     check_parents(p, what)

@@ -102,3 +102,16 @@ def test_a_folder_owned_by_another_user_on_the_way_is_refused(second_user, share
     mine.mkdir(mode=0o700)
     with pytest.raises(UnsafeStateError, match=rf"inside {theirs}, which is owned by {second_user.name}"):
         distributed(_slow_rank, runs_dir=str(mine), **CPU).distributed()
+
+
+def test_a_folder_the_user_may_not_enter_on_the_way_is_a_clear_error(second_user, shared_tmp):
+    closed = Path(shared_tmp) / "closed"
+    closed.mkdir(mode=0o700)  # root's: the second user may not look inside
+    script = ("from gpufleet.private import private_dir, UnsafeStateError\n"
+              f"try:\n    private_dir({str(closed / 'x' / 'runs')!r})\n"
+              "except UnsafeStateError as e:\n    print('refused:', e)\n")  # fmt: skip
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    proc = second_user.run("/usr/bin/env", f"PYTHONPATH={src}", "/usr/bin/python3", "-c", script,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    out, err = proc.communicate(timeout=60)
+    assert f"refused: gpufleet's state folder {closed / 'x' / 'runs'} cannot be reached: {closed / 'x'}: Permission denied" in out, out + err  # was: a raw PermissionError
