@@ -259,3 +259,19 @@ def test_what_a_rank_did_between_two_looks():
     assert judge(None, None, {"time": 0, "cpu_s": 3.0}, {"time": 5, "cpu_s": 3.01}) == "idle"
     assert judge(None, None, {"time": 0, "cpu_s": 3.0}, {"time": 5, "cpu_s": 7.0}) == "busy"
     assert judge(None, None, {"time": 5, "cpu_s": 3.0}, {"time": 5, "cpu_s": 3.0}) == "unknown"  # not written since
+
+
+def test_gpufleet_stacks_shows_the_watchdogs_note_above_the_stacks(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    from gpufleet import stacks
+    from gpufleet.launch.watchdog import write_note
+
+    write_note(tmp_path, "nothing moved for 31 s: busy in its own code while the others wait: rank 1 at train.py:57")
+    found = [{"rank": r, "node_rank": None, "pid": 10 + r, "command": "python", "stack": f"stack of {r}",
+              "run_dir": str(tmp_path)} for r in (0, 1)]  # fmt: skip
+    monkeypatch.setattr(stacks, "collect", lambda run_id: ("run-1", found))
+    assert stacks.cmd_stacks(argparse.Namespace(run_id="run-1", output="text")) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("hang watchdog: nothing moved for 31 s: busy in its own code while the others wait: rank 1")
+    assert "=== rank 1 (pid 11): python" in out
