@@ -166,6 +166,8 @@ def test_a_long_section_turns_the_fast_path_off(limit_s):
     took, verdict = run.wait_for_verdict(60)
     assert verdict is not None and not verdict.fast
     assert (limit_s or 40.0) <= took <= (limit_s or 40.0) + 1.0
+    said = "the limit of the section it is in (eval): 20 s" if limit_s else "hang_timeout=40 s"
+    assert said in verdict.found.summary[0] and "learned" not in verdict.found.summary[0]
 
 
 def test_a_section_is_not_learned_as_a_step():
