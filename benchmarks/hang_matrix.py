@@ -2,6 +2,7 @@
 
 python benchmarks/hang_matrix.py              # every case (about 12 minutes on 2 CPU cores)
 python benchmarks/hang_matrix.py classic gil  # some cases
+python benchmarks/hang_matrix.py --gpu        # two GPUs (NCCL) instead of two CPU ranks (gloo)
 
 Two CPU ranks (gloo), steps of about 1 s (a sleep and an all-reduce, counted with
 ``runtime.report_step``). Fault cases: after step 8 one rank (or both) does the fault; the row
@@ -32,7 +33,9 @@ def _steps(n: int, pause_s: float = 0.5) -> None:
 
     for _ in range(n):
         time.sleep(pause_s)
-        dist.all_reduce(torch.ones(4))
+        t = torch.ones(4, device=runtime.device())
+        dist.all_reduce(t)
+        t.sum().item()  # NCCL: wait for it, as a training step does
         runtime.report_step()
 
 
@@ -94,10 +97,11 @@ def scenario(case: str, marker: str, root: str) -> str:
             _deadlock()
     elif case == "mismatched":
         _mark(marker)
+        a, b = torch.ones(8, device=runtime.device()), torch.ones(3, device=runtime.device())
         if rank == 0:
-            dist.all_reduce(torch.ones(8))  # FAULT-LINE mismatched
+            dist.all_reduce(a), a.sum().item()  # FAULT-LINE mismatched
         else:
-            dist.broadcast(torch.ones(3), src=0)
+            dist.broadcast(b, src=0), b.sum().item()
     elif case == "checkpoint save 45 s":
         from gpufleet.checkpoint import CheckpointManager
 
@@ -145,10 +149,11 @@ FALSE_ALARMS = ["warm-up 60 s", "checkpoint save 45 s", "marked eval 60 s", "num
                 "steps slow down 5x", "pause 20 s"]  # fmt: skip
 
 
-def run(case: str) -> tuple[str, str, str]:
+def run(case: str, gpu: bool = False) -> tuple[str, str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         marker = os.path.join(tmp, "fault-at")
-        fn = distributed(scenario, gpus=2, gpu_type="cpu", tracking=False, stream_logs=False, timeout=900)
+        where = {} if gpu else {"gpu_type": "cpu"}
+        fn = distributed(scenario, gpus=2, tracking=False, stream_logs=False, timeout=900, **where)
         started = time.time()
         try:
             fn.distributed(case, marker, os.path.join(tmp, "ckpt"))
@@ -168,8 +173,9 @@ def run(case: str) -> tuple[str, str, str]:
 
 
 if __name__ == "__main__":
-    cases = sys.argv[1:] or [*FAULTS, *FALSE_ALARMS]
+    gpu = "--gpu" in sys.argv
+    cases = [a for a in sys.argv[1:] if a != "--gpu"] or [*FAULTS, *FALSE_ALARMS]
     print(f"{'case':<24} {'outcome':<22} {'location/time':<14} first line of the diagnosis")
     for case in cases:
-        outcome, verdict, line = run(case)
+        outcome, verdict, line = run(case, gpu)
         print(f"{case:<24} {outcome:<22} {verdict:<14} {line}", flush=True)

@@ -87,6 +87,9 @@ def _steady_then(fault: str) -> None:
 
 
 def _long_phases_and_a_busy_rank(root: str) -> str:
+    import os
+    from pathlib import Path
+
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -102,25 +105,26 @@ def _long_phases_and_a_busy_rank(root: str) -> str:
     runtime.setup()
     rank = runtime.get_global_rank()
     if rank == 0:
-        time.sleep(8)  # a model load before the first step, rank 1 waits
+        time.sleep(5)  # a model load before the first step, rank 1 waits
     dist.barrier()
     steps(5)
     with runtime.section("eval"):
         if rank == 0:
-            time.sleep(8)  # a long evaluation
+            time.sleep(5)  # a long evaluation
         dist.barrier()
     steps(2)
-    if rank == 1:
+    if rank == 1:  # computes until the watchdog has said so (or 60 s), while rank 0 waits in the barrier
+        note = Path(os.environ["GPUFLEET_RUN_DIR"]) / "watchdog.json"
         t0, x = time.monotonic(), np.random.rand(200, 200)
-        while time.monotonic() - t0 < 8:
-            x = np.tanh(x @ x)  # BUSY numpy, rank 0 waits in the barrier
+        while time.monotonic() - t0 < 60 and "busy" not in (note.read_text() if note.exists() else ""):
+            x = np.tanh(x @ x)  # BUSY numpy
     dist.barrier()
     steps(2)
 
     class SlowState:
         def state_dict(self) -> dict:
             if rank == 0:
-                time.sleep(8)  # a slow checkpoint save on rank 0
+                time.sleep(5)  # a slow checkpoint save on rank 0
             return {"x": 1}
 
         def load_state_dict(self, state: dict) -> None:
@@ -157,7 +161,9 @@ def test_a_steady_state_hang_is_called_after_the_learned_limit_with_its_line(sma
     assert info.value.rank == 1
 
 
-def test_long_phases_and_a_busy_rank_are_never_called_hangs(small_fast_limit, tmp_path, caplog):
+def test_long_phases_and_a_busy_rank_are_never_called_hangs(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("GPUFLEET_HANG_FLOOR_S", "3")  # each phase (5 s) is longer than the learned limit
+    monkeypatch.setenv("GPUFLEET_HANG_FACTOR", "2")
     with caplog.at_level("WARNING", logger="gpufleet.launch.watchdog"):
         out = distributed(_long_phases_and_a_busy_rank, hang_timeout=300, timeout=280, **CPU).distributed(
             str(tmp_path / "ckpt"))
@@ -176,7 +182,7 @@ def _run_hung(fn):
 
 def test_a_rank_sleeping_outside_the_collective_is_named_with_its_line():
     err, took = _run_hung(_rank_1_sleeps_outside_the_collective)
-    assert took < 60  # the watchdog's 4 s after start-up, long before the call's 120 s timeout
+    assert took < 90  # the watchdog, long before the call's timeout of 120 s
     text = str(err)
     assert "rank 1 missing from all_reduce #2 [[4]], which rank 0 waits in" in text
     assert "time.sleep(600)  # rank 1 never comes to collective #2" in text  # rank 1's own line

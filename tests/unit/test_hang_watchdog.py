@@ -166,6 +166,8 @@ def test_a_long_section_turns_the_fast_path_off(limit_s):
     took, verdict = run.wait_for_verdict(60)
     assert verdict is not None and not verdict.fast
     assert (limit_s or 40.0) <= took <= (limit_s or 40.0) + 1.0
+    said = "the limit of the section it is in (eval): 20 s" if limit_s else "hang_timeout=40 s"
+    assert said in verdict.found.summary[0] and "learned" not in verdict.found.summary[0]
 
 
 def test_a_section_is_not_learned_as_a_step():
@@ -212,3 +214,66 @@ def test_the_fast_limit_is_set_from_the_environment_and_checked():
     run = Run(HangSettings(long_s=600, floor_s=0))  # 0: no fast path
     run.steps(6)
     assert run.dog.fast_limit() is None
+
+
+def test_a_section_is_in_the_ranks_progress_record_while_it_lasts(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from gpufleet import runtime
+    from gpufleet.launch import progress
+
+    monkeypatch.setenv("GPUFLEET_RUN_DIR", str(tmp_path))
+    monkeypatch.setattr(progress, "_progress_path", Path("progress-0.json"))
+    with runtime.section("eval", limit_s=90):
+        record = progress.read_progress(tmp_path, 0)
+        assert record is not None and [(s["name"], s["limit_s"]) for s in record["sections"]] == [("eval", 90)]
+        assert record["pid"] > 0 and record["cpu_s"] >= 0 and "step" in record  # fields added, none renamed
+    assert progress.read_progress(tmp_path, 0)["sections"] == []
+    with pytest.raises(ValueError, match="limit_s must be a positive number"):
+        runtime.section("eval", limit_s=0)
+
+
+def test_the_watchdogs_note_is_kept_in_the_run_folder(tmp_path):
+    from gpufleet.launch.watchdog import read_note, write_note
+
+    assert read_note(tmp_path) is None
+    write_note(tmp_path, "busy in its own code while the others wait: rank 1 at train.py:3")
+    assert read_note(tmp_path) == "busy in its own code while the others wait: rank 1 at train.py:3"
+    write_note(tmp_path, None)
+    assert read_note(tmp_path) is None
+    (tmp_path / "watchdog.json").write_text("[1, 2]")  # not the watchdog's: no note
+    assert read_note(tmp_path) is None
+
+
+def test_what_a_rank_did_between_two_looks():
+    from gpufleet.launch.activity import judge
+
+    def look(t: float, cpu: float | None, **kw: Any) -> Sample:
+        return Sample(t, cpu, **kw)
+
+    assert judge(look(0, 1.0), look(5, 1.01), None, None) == "idle"  # 0.2 % of a core
+    assert judge(look(0, 1.0), look(5, 2.0), None, None) == "busy"
+    assert judge(look(0, 1.0), look(5, 1.0, stopped=True), None, None) == "stopped"
+    assert judge(look(0, 1.0, runnable=True), look(5, 1.0), None, None) == "busy"  # waiting for a core
+    assert judge(look(0, 1.0, io_bytes=0), look(5, 1.0, io_bytes=50 << 20), None, None) == "busy"  # reading files
+    assert judge(look(0, 1.0), look(5, 1.0), None, {"gpu_util": 95}) == "busy"
+    # no process to look at (another machine): the CPU seconds of its own records, while they are written
+    assert judge(None, None, {"time": 0, "cpu_s": 3.0}, {"time": 5, "cpu_s": 3.01}) == "idle"
+    assert judge(None, None, {"time": 0, "cpu_s": 3.0}, {"time": 5, "cpu_s": 7.0}) == "busy"
+    assert judge(None, None, {"time": 5, "cpu_s": 3.0}, {"time": 5, "cpu_s": 3.0}) == "unknown"  # not written since
+
+
+def test_gpufleet_stacks_shows_the_watchdogs_note_above_the_stacks(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    from gpufleet import stacks
+    from gpufleet.launch.watchdog import write_note
+
+    write_note(tmp_path, "nothing moved for 31 s: busy in its own code while the others wait: rank 1 at train.py:57")
+    found = [{"rank": r, "node_rank": None, "pid": 10 + r, "command": "python", "stack": f"stack of {r}",
+              "run_dir": str(tmp_path)} for r in (0, 1)]  # fmt: skip
+    monkeypatch.setattr(stacks, "collect", lambda run_id: ("run-1", found))
+    assert stacks.cmd_stacks(argparse.Namespace(run_id="run-1", output="text")) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("hang watchdog: nothing moved for 31 s: busy in its own code while the others wait: rank 1")
+    assert "=== rank 1 (pid 11): python" in out

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..launch.progress import section
 from . import layout
 from .async_save import PendingSave, make_stager
 from .deepspeed_engine import check_engine_options, is_deepspeed_engine, load_engine, save_engine
@@ -40,7 +41,6 @@ from .integrity import (
     merge_reasons,
 )
 from .rank_state import apply_rank_state, read_rank_state, write_rank_state
-from ..launch.progress import section
 from .torch_dist import import_torch_dist, quiet_single_process
 
 if TYPE_CHECKING:

@@ -20,6 +20,9 @@ from .proctree import RUN_ID_ENV
 BUSY_CPU_SHARE = 0.05
 #: A GPU at or above this utilisation (percent) is busy.
 BUSY_GPU_UTIL = 10
+#: Reading or writing more than this (bytes a second; the progress reporter writes about 1 KiB)
+#: is activity too: a slow read from a network file system is no hang.
+BUSY_IO_BYTES_S = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Sample:
     stopped: bool = False
     gone: bool = False
     runnable: bool = False
+    io_bytes: int | None = None
 
 
 def rank_pids(workers_are_ranks: bool, pids: list[int], run_id: str,
@@ -67,13 +71,17 @@ def sample(pid: int, now: float) -> Sample:
         status = proc.status()
         if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
             return Sample(now, None, gone=True)
-        total = sum(proc.cpu_times()[:2])
-        for child in proc.children(recursive=True):
+        total, io = 0.0, 0
+        for member in [proc, *proc.children(recursive=True)]:
             try:
-                total += sum(child.cpu_times()[:2])
-            except psutil.Error:
+                total += sum(member.cpu_times()[:2])
+                counters = member.io_counters()
+                io += getattr(counters, "read_chars", counters.read_bytes) + getattr(counters, "write_chars", counters.write_bytes)
+            except (psutil.Error, AttributeError, OSError):
                 continue
-        return Sample(now, total, stopped=status == psutil.STATUS_STOPPED, runnable=status == psutil.STATUS_RUNNING)
+        # running, waiting for a core, or in an uninterruptible wait (disk, network file system)
+        runnable = status in (psutil.STATUS_RUNNING, psutil.STATUS_DISK_SLEEP)
+        return Sample(now, total, stopped=status == psutil.STATUS_STOPPED, runnable=runnable, io_bytes=io)
     except psutil.NoSuchProcess:
         return Sample(now, None, gone=True)
     except psutil.Error:
@@ -86,7 +94,8 @@ def judge(before: Sample | None, after: Sample | None, record_before: Mapping[st
 
     The process tree's CPU seconds decide where they are known; else the CPU seconds of the
     rank's own progress records (only when both records are fresh: a blocked rank writes none).
-    A GPU at work, or a process found running (or waiting for a core), makes a rank busy either way.
+    A GPU at work, a process found running (or waiting for a core or a disk), or reading and
+    writing files make a rank busy either way.
     """
     if after is not None and after.stopped:
         return "stopped"
@@ -94,6 +103,10 @@ def judge(before: Sample | None, after: Sample | None, record_before: Mapping[st
         return "busy"
     if (before is not None and before.runnable) or (after is not None and after.runnable):
         return "busy"
+    if before is not None and after is not None and before.io_bytes is not None and after.io_bytes is not None:
+        span = after.time - before.time
+        if span > 0 and (after.io_bytes - before.io_bytes) / span >= BUSY_IO_BYTES_S:
+            return "busy"
     if before is not None and after is not None and before.cpu_s is not None and after.cpu_s is not None:
         span = after.time - before.time
         if span > 0:

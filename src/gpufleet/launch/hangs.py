@@ -246,7 +246,7 @@ def diagnose(
                 missing[r] = f"{facts.waiting_in(r, name)}, which {_ranks(gone)} never entered (it returned)"
             clear = True
         elif finished and ahead:
-            stuck = [r for r in ahead if inside.get(r) is not False]
+            stuck = [r for r in ahead if inside.get(r)]  # seen inside it (an unread stack proves nothing)
             if stuck:  # the others wait in a collective that a rank which returned completed on its side
                 verb = "waits" if len(stuck) == 1 else "wait"
                 summary.append(f"{_ranks(sorted(finished))} returned while {_ranks(stuck)} still {verb} in {name}: "

@@ -189,27 +189,29 @@ class Watchdog:
             self._sample(group, status.progress, now)
         if stall < due or now < self._next_look:
             return None
-        limit_s = long_s if stall >= long_s else fast
-        found = self._diagnose(group, status, num_ranks, finished, stall, now, limit_s)
+        if stall < long_s:
+            limit = (f"the limit learned from this run: {fast:.0f} s ({self.settings.factor:g} x its slowest "
+                     f"step or pause, {self.slowest_s:.1f} s; at least {self.settings.floor_s:g} s)")  # fmt: skip
+        elif any(s.get("limit_s") for s in sections):
+            names = ", ".join(sorted({str(s.get("name")) for s in sections}))
+            limit = f"the limit of the section it is in ({names}): {long_s:g} s"
+        else:
+            limit = f"hang_timeout={long_s:g} s"
+        found = self._diagnose(group, status, num_ranks, finished, stall, now, limit)
         if stall >= long_s or found.clear:
             if self._continue_stopped(found):  # their stacks, now that they are stopped for good
-                found = self._diagnose(group, status, num_ranks, finished, stall, now, limit_s, resample=False)
+                found = self._diagnose(group, status, num_ranks, finished, stall, now, limit, resample=False)
             return Verdict(stall, stall < long_s, found)
         self._next_look = now + self.settings.recheck_s
         self._tell(group, found, stall, long_s)
         return None
 
     def _diagnose(self, group: Any, status: Any, num_ranks: int, finished: frozenset[int], stall: float,
-                  now: float, limit_s: float | None, resample: bool = True) -> Diagnosis:  # fmt: skip
+                  now: float, limit: str, resample: bool = True) -> Diagnosis:  # fmt: skip
         stacks = group.stacks()
         self._stacks = stacks
         if resample:
             self._sample(group, status.progress, now)
-        if limit_s is not None and limit_s < self.settings.long_s:
-            limit = (f"the limit learned from this run: {limit_s:.0f} s ({self.settings.factor:g} x its slowest "
-                     f"step or pause, {self.slowest_s:.1f} s; at least {self.settings.floor_s:g} s)")  # fmt: skip
-        else:
-            limit = f"hang_timeout={self.settings.long_s:g} s" if limit_s == self.settings.long_s else f"{limit_s:g} s"
         return diagnose(status.progress, stacks, num_ranks, stall, finished, self._activity(now), self._wall(), limit)
 
     def _continue_stopped(self, found: Diagnosis) -> bool:
