@@ -101,11 +101,11 @@ def _run_lines(lines: list[str], tmp: Path, timeout: float) -> str:
     return out
 
 
-@pytest.mark.timeout(900)  # about two minutes on an idle 2-core machine; many more on a busy one
+@pytest.mark.timeout(1800)  # about two minutes on an idle 2-core machine; 13 on one kept busy by many
 def test_every_bash_command_of_the_page_runs_in_order(tmp_path: Path) -> None:
     lines = _bash_lines(PAGE)
     assert lines[0] == "scripts/demo.sh" and any(line.startswith("mlflow ui") for line in lines)
-    out = _run_lines(lines, tmp_path, timeout=840)
+    out = _run_lines(lines, tmp_path, timeout=1700)
     home = tmp_path / "user" / ".gpufleet"  # a new user's default GPUFLEET_HOME
     assert re.search(r"^==> torch \S+: (CPU build|CUDA \S+ build), ", out, re.M), out[:3000]  # which torch .venv has
     assert "run folder: " + str(home / "runs") in out
