@@ -24,10 +24,13 @@ _pip_progress() {
           case $line in
             "    Installing collected packages: "*)
               n=$(( $(printf '%s' "$line" | tr -cd ',' | wc -c) + 1 ))
-              line="    installing $n packages into the environment (torch takes a minute or more) ..." ;;
+              case ", ${line#*: }, " in
+                *", torch, "*) line="    installing $n package(s) into the environment (torch takes a minute or more) ..." ;;
+                *) line="    installing $n package(s) into the environment ..." ;;
+              esac ;;
             "    Successfully installed "*)
               n=$(printf '%s' "${line#    Successfully installed }" | wc -w)
-              line="    installed $n packages" ;;
+              line="    installed $n package(s)" ;;
           esac
           printf '%s\n' "$line"
         elif [ $? -gt 128 ]; then

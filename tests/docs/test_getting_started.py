@@ -72,7 +72,8 @@ def _for_the_test(line: str, tmp: Path) -> str:
         port = _free_port()
         probe = (
             "import sys, time, urllib.request\n"
-            "for _ in range(300):\n"
+            "deadline = time.monotonic() + 300\n"  # it takes a minute to start on a busy machine
+            "while time.monotonic() < deadline:\n"
             "    try:\n"
             f"        urllib.request.urlopen('http://127.0.0.1:{port}/', timeout=2); print('mlflow ui answered'); sys.exit(0)\n"
             "    except OSError:\n"
@@ -100,11 +101,11 @@ def _run_lines(lines: list[str], tmp: Path, timeout: float) -> str:
     return out
 
 
-@pytest.mark.timeout(600)  # two minutes on an idle 2-core machine; far more when it is busy
+@pytest.mark.timeout(1800)  # about two minutes on an idle 2-core machine; 13 on one kept busy by many
 def test_every_bash_command_of_the_page_runs_in_order(tmp_path: Path) -> None:
     lines = _bash_lines(PAGE)
     assert lines[0] == "scripts/demo.sh" and any(line.startswith("mlflow ui") for line in lines)
-    out = _run_lines(lines, tmp_path, timeout=540)
+    out = _run_lines(lines, tmp_path, timeout=1700)
     home = tmp_path / "user" / ".gpufleet"  # a new user's default GPUFLEET_HOME
     assert re.search(r"^==> torch \S+: (CPU build|CUDA \S+ build), ", out, re.M), out[:3000]  # which torch .venv has
     assert "run folder: " + str(home / "runs") in out

@@ -208,6 +208,6 @@ def test_the_progress_shows_a_line_per_phase_and_a_heartbeat_while_pip_is_quiet(
     assert lines[:3] == [
         "    Collecting torch<2.14,>=2.6",
         "    Downloading torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl (190.2 MB)",
-        "    installing 3 packages into the environment (torch takes a minute or more) ...",
+        "    installing 3 package(s) into the environment (torch takes a minute or more) ...",
     ], lines
-    assert lines[3].startswith("    ... pip still working (") and lines[-1] == "    installed 3 packages", lines
+    assert lines[3].startswith("    ... pip still working (") and lines[-1] == "    installed 3 package(s)", lines
