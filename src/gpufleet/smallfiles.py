@@ -11,11 +11,13 @@ import os
 import stat
 from pathlib import Path
 
+from .errors import GpufleetError
+
 _KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
           stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder"}  # fmt: skip
 
 
-class NotASmallFileError(OSError):
+class NotASmallFileError(GpufleetError, OSError):
     """The path is not a regular file, or the file is larger than allowed."""
 
 

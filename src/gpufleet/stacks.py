@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+
 def _python(proc: Any) -> bool:
     try:
         return "python" in Path(proc.exe()).name or "python" in Path(proc.cmdline()[0]).name
@@ -126,7 +127,7 @@ def collect(run_id: str, home: str | None = None, stored: bool = True) -> tuple[
 
 def cmd_stacks(args: argparse.Namespace) -> int:
     try:
-        rid, found = collect(args.run_id, args.home)
+        rid, found = collect(args.run_id, getattr(args, "home", None))
     except LookupError as e:
         from .launch.slurm_stacks import collect_on_slurm
 

@@ -272,7 +272,7 @@ def test_gpufleet_stacks_shows_the_watchdogs_note_above_the_stacks(tmp_path, mon
     write_note(tmp_path, "nothing moved for 31 s: busy in its own code while the others wait: rank 1 at train.py:57")
     found = [{"rank": r, "node_rank": None, "pid": 10 + r, "command": "python", "stack": f"stack of {r}",
               "run_dir": str(tmp_path)} for r in (0, 1)]  # fmt: skip
-    monkeypatch.setattr(stacks, "collect", lambda run_id: ("run-1", found))
+    monkeypatch.setattr(stacks, "collect", lambda run_id, home=None: ("run-1", found))
     assert stacks.cmd_stacks(argparse.Namespace(run_id="run-1", output="text")) == 0
     out = capsys.readouterr().out
     assert out.startswith("hang watchdog: nothing moved for 31 s: busy in its own code while the others wait: rank 1")

@@ -26,6 +26,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ..errors import GpufleetError
+
 T = TypeVar("T")
 
 WAIT_ENV = "GPUFLEET_TRACKING_WAIT_S"
@@ -37,7 +39,7 @@ _verdicts: dict[str, tuple[float, str | None]] = {}
 _verdicts_lock = threading.Lock()
 
 
-class TrackingStalledError(TimeoutError):
+class TrackingStalledError(GpufleetError, TimeoutError):
     """A tracking step did not finish in the time gpufleet waits for it."""
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ..errors import GpufleetError
 from ..results import gpufleet_home
 from .bounds import TrackingStalledError, bounded, unreachable
 
@@ -524,7 +525,7 @@ def start_tracked_run(
     return run
 
 
-class TrackingUnreachableError(ConnectionError):
+class TrackingUnreachableError(GpufleetError, ConnectionError):
     """The tracking server refused, did not answer or cannot be resolved (see :func:`~gpufleet.tracking.bounds.unreachable`)."""
 
 
