@@ -25,6 +25,7 @@ __all__ = [
     "barrier",
     "device",
     "report_step",
+    "set_total_steps",
 ]
 
 
@@ -168,3 +169,18 @@ def report_step(step: int | None = None) -> None:
     from .launch.progress import note_reported_step
 
     note_reported_step(step)
+
+
+def set_total_steps(total: int | None) -> None:
+    """Tell gpufleet how many steps this rank's loop will make (``None``: unknown again).
+
+    The live view (the panel in a notebook cell, the status line in a terminal) then shows
+    ``step/total`` and an ETA. Steps are the ones gpufleet counts (its data loader,
+    ``prepare()``'s optimizer step, :func:`report_step`). Cheap, and a no-op outside a launched rank.
+
+    Raises:
+        ValueError: ``total`` is not a positive integer or None.
+    """
+    from .launch.progress import set_total_steps as _set
+
+    _set(total)

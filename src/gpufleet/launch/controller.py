@@ -161,6 +161,8 @@ class Controller:
         self.values: list[Any] | None = None
         self.error: BaseException | None = None
         self.outcomes: list[AttemptOutcome] = []
+        #: The current attempt's last polled status (frozen; read by the live view from its own thread).
+        self.status: GroupStatus | None = None
         for callback in self._callbacks:
             try:
                 getattr(callback, "attach", lambda _: None)(self)
@@ -286,6 +288,7 @@ class Controller:
                 if self._cancel is not None:
                     return self._canceled(group)
                 status = group.poll(self._poll_s)
+                self.status = status
                 if status.started and self.state == PENDING:
                     self.state = RUNNING
                 if self._cancel is not None:  # asked during the poll (a lost node, say): the cancel wins

@@ -30,6 +30,7 @@ _lock = threading.Lock()
 _batches = 0
 _optimizer_steps = 0
 _reported: int | None = None
+_total: int | None = None
 _stack_file: Any = None
 _started = False
 
@@ -79,6 +80,14 @@ def note_reported_step(step: int | None = None) -> None:
     _counted(before)
 
 
+def set_total_steps(total: int | None) -> None:
+    """The number of steps this rank's loop will make (``runtime.set_total_steps``): the live view's ETA."""
+    global _total
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total <= 0):
+        raise ValueError(f"the total number of steps must be a positive integer or None, got {total!r}")
+    _total = total
+
+
 def _collective_state() -> dict[str, Any]:
     """The default process group's sequence number and its last collectives, if torch has them."""
     dist = sys.modules.get("torch.distributed")
@@ -116,6 +125,8 @@ def _collective_state() -> dict[str, Any]:
 def write_progress(path: Path) -> None:
     """Write this rank's progress file once (atomically)."""
     record = {"time": time.time(), "step": step_count(), **_collective_state()}
+    if _total is not None:
+        record["total"] = _total
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
@@ -123,8 +134,8 @@ def write_progress(path: Path) -> None:
 
 def reset() -> None:
     """Start counting afresh (a warm worker's next call)."""
-    global _batches, _optimizer_steps, _reported
-    _batches, _optimizer_steps, _reported = 0, 0, None
+    global _batches, _optimizer_steps, _reported, _total
+    _batches, _optimizer_steps, _reported, _total = 0, 0, None, None
 
 
 def start(rank: int, stacks_dir: str | None = None) -> None:
@@ -158,6 +169,16 @@ def start(rank: int, stacks_dir: str | None = None) -> None:
             time.sleep(interval)
 
     threading.Thread(target=loop, name="gpufleet-progress", daemon=True).start()
+
+
+def flush(rank: int) -> None:
+    """Write this rank's progress record now (its last step, as the call ends), if progress is watched."""
+    folder = os.environ.get("GPUFLEET_RUN_DIR")
+    if _started and folder and os.environ.get(PROGRESS_INTERVAL_ENV):
+        try:
+            write_progress(Path(folder) / f"progress-{rank}.json")
+        except Exception:  # noqa: BLE001 - never disturb the rank
+            pass
 
 
 def _private(path: str, flags: int) -> int:
