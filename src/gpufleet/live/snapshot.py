@@ -244,6 +244,8 @@ class RunWatcher:
             history.append((when, step))
         while len(history) > 2 and history[0][0] < when - RATE_WINDOW_S:
             history.popleft()
+        while len(history) > 2 and history[0][1] == history[1][1] != step:
+            history.popleft()  # the steps/s count from when the steps began to move (not the start-up)
         first_t, first_step = history[0]
         if len(history) < 2 or when <= first_t:
             return None
