@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q -e ".[all,test]"
+scripts/setup_browser.sh  # Chromium for the live panel's browser test (root and apt only; else it skips)
 if [ -x scripts/recipe_env.sh ] && [ "${GPUFLEET_SKIP_RECIPE_ENVS:-0}" != "1" ]; then
   for env_name in $(ls recipes/envs 2>/dev/null | sed -n 's/\.txt$//p'); do
     scripts/recipe_env.sh "$env_name"
