@@ -36,7 +36,12 @@ def fmt_bytes(n: int | None) -> str:
 
 
 def status_parts(snap: Snapshot) -> list[str]:
-    """The status line's parts: ranks by state, step (of total), steps/s, metrics, GPUs, ETA, elapsed."""
+    """The status line's parts: ranks by state, step (of total), steps/s, metrics, GPUs, ETA, elapsed, run id."""
+    return [*progress_parts(snap), fmt_seconds(snap.elapsed_s), f"run {snap.run_id}"]
+
+
+def progress_parts(snap: Snapshot) -> list[str]:
+    """Ranks by state, step (of total), steps/s, rank 0's last metrics, GPU utilisation, ETA."""
     counts = snap.counts()
     n = len(snap.ranks)
     states = [f"{counts[s]} {s}" for s in (STARTING, RUNNING, DONE, FAILED, "stopped") if counts.get(s)]
@@ -54,8 +59,6 @@ def status_parts(snap: Snapshot) -> list[str]:
         parts.append(f"GPU{g.index} {util}")
     if snap.eta_s is not None:
         parts.append(f"ETA {fmt_seconds(snap.eta_s)}")
-    parts.append(fmt_seconds(snap.elapsed_s))
-    parts.append(f"run {snap.run_id}")
     return parts
 
 
