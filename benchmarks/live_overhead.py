@@ -1,7 +1,7 @@
 """What the live view costs the ranks: step time of a 2-rank CPU training loop with and without it.
 
-Each round runs the same call twice in fresh interpreters, in an alternating order: once on
-a pseudo-terminal with the live status line on (the ranks then rewrite their progress records
+Each round runs the same call twice in fresh interpreters on a pseudo-terminal, in an
+alternating order: once with the live status line on (the ranks then rewrite their progress records
 every 0.5 s, rank 0 appends each ``log_metrics`` to its run folder, and the caller reads the run
 folder 4 times a second), and once with ``live=False`` (progress records every 2 s, for the
 hang watchdog). The step: a small MLP's forward and backward on 2 ranks, its gradients
@@ -62,30 +62,28 @@ json.dump([t for times in per_rank for t in times], open(out, "w"))
 
 
 def run_child(script: Path, live: bool, steps: int, out: Path) -> list[float]:
+    """One call in a fresh interpreter on a pseudo-terminal (the status line needs one; both modes get one)."""
     env = {**os.environ, "TERM": "xterm-256color", "GPUFLEET_TRACKING": "0"}
     env.pop("GPUFLEET_LIVE", None)
     cmd = [sys.executable, str(script), "on" if live else "off", str(steps), str(out)]
-    if live:  # the status line needs a terminal: a pseudo-terminal, read until the child closes it
-        master, slave = pty.openpty()
-        proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
-        os.close(slave)
-        seen = b""
-        while True:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            seen += chunk
-        os.close(master)
-        code = proc.wait()
-        if b"steps/s" not in seen:
-            raise SystemExit("the live line did not show on the pseudo-terminal")
-    else:
-        code = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    code = proc.wait()
     if code != 0:
-        raise SystemExit(f"the {'live' if live else 'plain'} run failed with exit code {code}")
+        raise SystemExit(f"the {'live' if live else 'plain'} run failed with exit code {code}: {seen[-2000:]!r}")
+    if (b"steps/s" in seen) != live:
+        raise SystemExit(f"the live line {'did not show' if live else 'showed'} on the pseudo-terminal")
     return json.loads(out.read_text())
 
 
