@@ -90,3 +90,27 @@ def test_files_of_an_earlier_attempt_and_oversized_files_are_ignored(tmp_path):
     snap = RunWatcher("run-3", tmp_path, 2).read(None)
     assert [r.state for r in snap.ranks] == ["starting", "starting"] and snap.step == 0
     assert "no metrics yet" in render(snap)
+
+
+def test_gpu_rows_from_nvml(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    calls = []
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: calls.append("init"),
+        nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetHandleByIndex=lambda i: f"h{i}",
+        nvmlDeviceGetName=lambda h: b"NVIDIA H200",
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=87 if h == "h3" else 12),
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=40 << 30, total=141 << 30),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    watcher = RunWatcher("run-4", tmp_path, 2, gpu_indices=(2, 3))  # the run's physical GPUs
+    snap = watcher.read(None)
+    watcher.close()
+    assert [(g.index, g.name, g.util_percent) for g in snap.gpus] == [(2, "NVIDIA H200", 12.0), (3, "NVIDIA H200", 87.0)]
+    assert "GPU2 12%" in status_line(snap) and "GPU3 87%" in status_line(snap)
+    html = render(snap)
+    assert 'data-gpu="3"' in html and "40.0 GiB / 141.0 GiB" in html
+    assert calls == ["init", "shutdown"]

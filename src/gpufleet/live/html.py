@@ -119,7 +119,7 @@ def _header(snap: Snapshot) -> str:
         bits.append(f"attempt {snap.attempt + 1}")
     bits.append(_badge(snap.state, _RUN_COLOURS.get(snap.state, "#888")))
     bits.append(f'<span data-gpufleet-elapsed="{snap.elapsed_s:.1f}">{fmt_seconds(snap.elapsed_s)}</span>')
-    if snap.state == RUNNING.upper():
+    if snap.state == "RUNNING":
         step = f"step {snap.step}/{snap.total}" if snap.total else f"step {snap.step}"
         bits.append(step)
         if snap.rate is not None:

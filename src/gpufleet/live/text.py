@@ -88,7 +88,7 @@ def rich_line(snap: Snapshot) -> object:
     from rich.text import Text
 
     text = Text(no_wrap=True, overflow="ellipsis")
-    if snap.state == RUNNING.upper():
+    if snap.state == "RUNNING":
         text.append(_FRAMES[int(snap.elapsed_s * 8) % len(_FRAMES)] + " ", style="green")
     for i, part in enumerate(status_parts(snap)):
         if i:
