@@ -11,6 +11,7 @@ Last, what the view adds in a rank, timed alone: one metrics line queued in the 
 (a thread appends it to the run folder), and one progress record (written by a thread).
 
     python benchmarks/live_overhead.py --rounds 3 --steps 400
+    python benchmarks/live_overhead.py --rounds 3 --steps 400 --off-progress-s 0.5
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ import json, sys
 from gpufleet import distributed, runtime
 from gpufleet.tracking import log_metrics
 
-live, steps, out = sys.argv[1] == "on", int(sys.argv[2]), sys.argv[3]
+live, steps, out, off_progress = sys.argv[1] == "on", int(sys.argv[2]), sys.argv[3], sys.argv[4]
+env = {"GPUFLEET_PROGRESS_S": off_progress} if off_progress and not live else {}
 
-@distributed(gpus=2, gpu_type="cpu", tracking=False, keep_warm=False, live=None if live else False)
+@distributed(gpus=2, gpu_type="cpu", tracking=False, keep_warm=False, live=None if live else False, env=env)
 def train(steps):
     import time
     import torch, torch.distributed as dist
@@ -61,11 +63,11 @@ json.dump([t for times in per_rank for t in times], open(out, "w"))
 """
 
 
-def run_child(script: Path, live: bool, steps: int, out: Path) -> list[float]:
+def run_child(script: Path, live: bool, steps: int, out: Path, off_progress: str = "") -> list[float]:
     """One call in a fresh interpreter on a pseudo-terminal (the status line needs one; both modes get one)."""
     env = {**os.environ, "TERM": "xterm-256color", "GPUFLEET_TRACKING": "0"}
     env.pop("GPUFLEET_LIVE", None)
-    cmd = [sys.executable, str(script), "on" if live else "off", str(steps), str(out)]
+    cmd = [sys.executable, str(script), "on" if live else "off", str(steps), str(out), off_progress]
     master, slave = pty.openpty()
     proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
     os.close(slave)
@@ -115,6 +117,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--off-progress-s", default="", help="progress records this often without the view too "
+                        "(the view's 0.5 s: what the ranks do differently, without the caller's side)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "child.py"
@@ -122,7 +126,8 @@ def main() -> None:
         times: dict[bool, list[float]] = {False: [], True: []}
         for round_ in range(args.rounds):
             for live in ((False, True) if round_ % 2 == 0 else (True, False)):
-                times[live] += run_child(script, live, args.steps, Path(tmp) / f"out-{round_}-{live}.json")
+                times[live] += run_child(script, live, args.steps, Path(tmp) / f"out-{round_}-{live}.json",
+                                         args.off_progress_s)
     print(f"2 CPU ranks, {args.steps} steps x {args.rounds} rounds, {os.cpu_count()} cores")
     print(f"{'live view':<12}{'median ms':>12}{'p90 ms':>10}{'rank-steps':>12}")
     for live in (False, True):
