@@ -127,7 +127,7 @@ def write_progress(path: Path) -> None:
     record = {"time": time.time(), "step": step_count(), **_collective_state()}
     if _total is not None:
         record["total"] = _total
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # the thread and flush()
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
 
