@@ -308,8 +308,8 @@ class RunWatcher:
                 what = DONE
             elif failure is not None:
                 what = "stopped"
-            elif record is not None or line:
-                what = RUNNING
+            elif line or (record is not None and (step or record.get("seq") is not None)):
+                what = RUNNING  # it printed, stepped or joined a process group (not still loading)
             else:
                 what = STARTING
             cpu, rss = usage.get(rank, (None, None))
