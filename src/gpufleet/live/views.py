@@ -8,23 +8,29 @@ from .snapshot import Snapshot
 
 
 class NotebookView:
-    """One HTML output of the cell, replaced in place (``update_display_data``) at each refresh."""
+    """One output of the cell, replaced in place (``update_display_data``) at each refresh.
+
+    HTML for front ends that render it, and the status line (the summary at the end) as its
+    plain-text form for those that do not.
+    """
 
     def __init__(self) -> None:
-        from IPython.display import HTML, display
+        from IPython.display import display
 
-        self._html = HTML
+        self._display = display
         self._last = ""
-        self._handle = display(HTML('<div data-gpufleet-panel="" data-state="PENDING">gpufleet: starting…</div>'),
-                               display_id=True)  # fmt: skip
+        self._handle = display({"text/html": '<div data-gpufleet-panel="" data-state="PENDING">gpufleet: starting…</div>',
+                                "text/plain": "gpufleet: starting"}, raw=True, display_id=True)  # fmt: skip
 
     def show(self, snap: Snapshot) -> None:
         from .html import render
+        from .text import status_line, summary_line
 
         text = render(snap)
         if text != self._last and self._handle is not None:
             self._last = text
-            self._handle.update(self._html(text))
+            plain = summary_line(snap) if snap.state != "RUNNING" else status_line(snap)
+            self._handle.update({"text/html": text, "text/plain": f"gpufleet: {plain}"}, raw=True)
 
     def close(self, snap: Snapshot) -> None:
         self.show(snap)
