@@ -8,6 +8,7 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 . scripts/pip_install.sh  # CPU builds of torch without an NVIDIA GPU; says which build it took
 pip_install .venv/bin/python .venv/test-install.log -e ".[all,test]"
+scripts/setup_browser.sh  # Chromium for the live panel's browser test (root and apt only; else it skips)
 build_recipe_envs() {  # each environment's output in LOGS/NAME.log, its exit status in LOGS/NAME.rc
   for env_name in $(ls recipes/envs 2>/dev/null | sed -n 's/\.txt$//p'); do
     local status=0

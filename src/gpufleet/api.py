@@ -227,8 +227,8 @@ class DistributedFunction:
                 "clients inside the function; nothing was launched."
             ) from e
 
-    def _controller(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Controller:
-        """The controller of one call: its launch spec, its worker group and its tracking."""
+    def _controller(self, args: tuple[Any, ...], kwargs: dict[str, Any], live: bool = False) -> Controller:
+        """The controller of one call: its launch spec, its worker group, its tracking and (``live``) its live view."""
         from .faults import faults_env
         from .launch.controller import Controller
         from .launch.logstream import LogConfig
@@ -250,7 +250,10 @@ class DistributedFunction:
         from .secrets import read_secrets, secret_env
 
         secrets = read_secrets(opts.secrets)  # read at each launch; only the ranks' environment holds them
-        env = {**watchdog_env(opts.hang_timeout), **opts.env, **secret_env(secrets)}
+        from .live import choose_view, live_env
+
+        view = choose_view(opts.live) if live else None
+        env = {**live_env(view, watchdog_env(opts.hang_timeout)), **opts.env, **secret_env(secrets)}
         name = opts.name or getattr(self.func, "__name__", "run")
         logs = LogConfig(enabled=opts.stream_logs, full_ranks=opts.log_ranks, stderr=opts.stream_stderr,
                          secrets=tuple(secrets.values()))  # fmt: skip
@@ -306,6 +309,10 @@ class DistributedFunction:
         from .registry import CallRecorder
 
         callbacks: list[Any] = [CallRecorder(self, launcher)]  # the run store's records
+        if view is not None:  # first among the hooks: its summary shows before tracking closes the run
+            from .live.observer import LiveObserver
+
+            callbacks.insert(0, LiveObserver(view))
         from .tracking import tracking_enabled
 
         if opts.tracking and tracking_enabled():  # one MLflow run per attempt; MLflow is imported only then
@@ -355,7 +362,7 @@ class DistributedFunction:
             WorkerGroupError: a rank died without an exception (signal, exit), a timeout
                 (:class:`DistributedTimeoutError`) or a cancel.
         """
-        controller = self._controller(args, kwargs)
+        controller = self._controller(args, kwargs, live=True)
         controller.start()
         try:
             return controller.run()
@@ -422,7 +429,9 @@ def distributed(
             (seconds idle ranks stay ready for the next call; True = 600, False = off; default:
             on in a notebook, off in scripts; local runs only), ``secrets`` (variables of every
             rank read at each launch, ``{"HF_TOKEN": {"env": "HF_TOKEN"}}`` or ``{"file":
-            PATH}``: never stored, masked in the logs), ``run_name`` (the MLflow run's name).
+            PATH}``: never stored, masked in the logs), ``run_name`` (the MLflow run's name),
+            ``live`` (``.distributed()`` shows a live panel in a notebook cell and a status line
+            in a terminal; False: off, as with ``GPUFLEET_LIVE=0``; see :mod:`gpufleet.live`).
 
     Works bare (``@distributed``) and with arguments (``@distributed(gpus=2)``).
     """

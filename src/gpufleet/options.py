@@ -47,6 +47,8 @@ class LaunchOptions:
     run_name: str | None = None
     #: With ``remote="slurm"``: ``nodes`` and the job's sbatch options (partition, account, qos, constraint, time, ...).
     slurm: dict[str, Any] = field(default_factory=dict)
+    #: The live view of a blocking call (:mod:`gpufleet.live`): None/True where it can be shown, False: off.
+    live: bool | None = None
 
     def check(self) -> None:
         """Reject wrong settings with a message that says what is allowed."""
@@ -118,6 +120,8 @@ class LaunchOptions:
             raise LaunchConfigError("secrets: " + "; ".join(problems))
         if self.run_name is not None and (not isinstance(self.run_name, str) or not self.run_name.strip()):
             raise LaunchConfigError(f"run_name must be a non-empty string (the MLflow run's name) or None, got {self.run_name!r}")
+        if self.live is not None and not isinstance(self.live, bool):
+            raise LaunchConfigError(f"live must be True, False or None (the live panel / status line), got {self.live!r}")
         if not isinstance(self.remote, (bool, str)):
             raise LaunchConfigError(f"remote must be False, True, 'slurm' or a Ray address string, got {self.remote!r}")
         if not isinstance(self.slurm, dict):

@@ -26,6 +26,7 @@ __all__ = [
     "device",
     "report_step",
     "section",
+    "set_total_steps",
 ]
 
 
@@ -183,3 +184,18 @@ def section(name: str, limit_s: float | None = None) -> Any:
     from .launch.progress import section as _section
 
     return _section(name, limit_s)
+
+
+def set_total_steps(total: int | None) -> None:
+    """Tell gpufleet how many steps this rank's loop will make (``None``: unknown again).
+
+    The live view (the panel in a notebook cell, the status line in a terminal) then shows
+    ``step/total`` and an ETA. Steps are the ones gpufleet counts (its data loader,
+    ``prepare()``'s optimizer step, :func:`report_step`). Cheap, and a no-op outside a launched rank.
+
+    Raises:
+        ValueError: ``total`` is not a positive integer or None.
+    """
+    from .launch.progress import set_total_steps as _set
+
+    _set(total)

@@ -150,7 +150,7 @@ def test_the_python_blocks_run_as_notebook_cells() -> None:
     nb.cells = [nbformat.v4.new_code_cell(src.strip()) for src in cells]
     NotebookClient(nb, kernel_name="python3", timeout=120, allow_errors=True,
                    resources={"metadata": {"path": str(REPO)}}).execute()  # fmt: skip
-    first = "".join(o.get("data", {}).get("text/plain", "") for o in nb.cells[0].outputs)
+    first = "".join(o["data"].get("text/plain", "") for o in nb.cells[0].outputs if o["output_type"] == "execute_result")
     assert first == "[{'rank': 0, 'sum': 30.0}, {'rank': 1, 'sum': 30.0}]", nb.cells[0].outputs
     errors = [o for o in nb.cells[1].outputs if o["output_type"] == "error"]
     assert errors and errors[0]["ename"] == "ValueError", nb.cells[1].outputs

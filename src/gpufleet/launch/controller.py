@@ -173,6 +173,8 @@ class Controller:
         self.error: BaseException | None = None
         self.outcomes: list[AttemptOutcome] = []
         self.preemptions = 0  # attempts the scheduler preempted (a group's ``preempted`` said why)
+        #: The current attempt's last polled status (frozen; read by the live view from its own thread).
+        self.status: GroupStatus | None = None
         for callback in self._callbacks:
             try:
                 getattr(callback, "attach", lambda _: None)(self)
@@ -299,6 +301,7 @@ class Controller:
                 if self._cancel is not None:
                     return self._canceled(group)
                 status = group.poll(self._poll_s)
+                self.status = status
                 if status.started and self.state == PENDING:
                     self.state = RUNNING
                 if self._cancel is not None:  # asked during the poll (a lost node, say): the cancel wins

@@ -31,6 +31,7 @@ _lock = threading.Lock()
 _batches = 0
 _optimizer_steps = 0
 _reported: int | None = None
+_total: int | None = None
 _stack_file: Any = None
 _started = False
 _sections: list[dict[str, Any]] = []
@@ -80,6 +81,14 @@ def note_reported_step(step: int | None = None) -> None:
     before = step_count()
     _reported = (step_count() + 1) if step is None else int(step)
     _counted(before)
+
+
+def set_total_steps(total: int | None) -> None:
+    """The number of steps this rank's loop will make (``runtime.set_total_steps``): the live view's ETA."""
+    global _total
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total <= 0):
+        raise ValueError(f"the total number of steps must be a positive integer or None, got {total!r}")
+    _total = total
 
 
 def _collective_state() -> dict[str, Any]:
@@ -137,7 +146,9 @@ def write_progress(path: Path) -> None:
     gpu = _gpu_util()
     if gpu is not None:
         record["gpu_util"] = gpu
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    if _total is not None:
+        record["total"] = _total
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # the thread and flush()
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
 
@@ -230,6 +241,16 @@ def start(rank: int, stacks_dir: str | None = None) -> None:
             time.sleep(interval)
 
     threading.Thread(target=loop, name="gpufleet-progress", daemon=True).start()
+
+
+def flush(rank: int) -> None:
+    """Write this rank's progress record now (its last step, as the call ends), if progress is watched."""
+    folder = os.environ.get("GPUFLEET_RUN_DIR")
+    if _started and folder and os.environ.get(PROGRESS_INTERVAL_ENV):
+        try:
+            write_progress(Path(folder) / f"progress-{rank}.json")
+        except Exception:  # noqa: BLE001 - never disturb the rank
+            pass
 
 
 def _private(path: str, flags: int) -> int:

@@ -105,6 +105,11 @@ def _destroy_process_group() -> None:
 
 def _write(outcome_path: Path, status: str, rank: int, **fields: Any) -> bool:
     """Write the rank's outcome; on failure (a full disk) say so on stderr, where the caller's error shows it."""
+    from ..live import feed
+    from . import progress
+
+    progress.flush(rank)  # the last step and metrics, for the live view's summary
+    feed.flush()
     try:
         write_outcome(outcome_path, status, rank, **fields)
         return True

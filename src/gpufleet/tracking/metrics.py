@@ -10,6 +10,7 @@ Every rank of a tracked call or workload attempt has ``MLFLOW_RUN_ID`` in its en
 :func:`log_metrics` logs into that run, from rank 0 only unless told otherwise, and does
 nothing (returns False) when there is no run: tracking switched off, no MLflow installed, a
 plain ``python train.py`` outside gpufleet. A failing store never stops training: it warns once.
+Rank 0's metrics also go to the live view (:mod:`gpufleet.live.feed`), tracked or not.
 MLflow is imported on the first call that logs.
 """
 
@@ -63,6 +64,10 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, *, all_rank
         refused them (one warning).
     """
     rank = os.environ.get("RANK", "0")
+    if rank == "0" and metrics:  # for the live view (a line in the run folder), tracked or not
+        from ..live.feed import record_metrics
+
+        record_metrics(metrics, step, _number)
     if (rank != "0" and not all_ranks) or not metrics or not tracking_enabled():
         return False
     run_id = _run_id()

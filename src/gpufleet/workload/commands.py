@@ -383,8 +383,12 @@ def _follow(store: Any, run: Any, args: argparse.Namespace) -> int:
 
     from .store import RunNotFoundError
 
+    from ..live import choose_view
+
+    # a live status line under the lines on a terminal (not with -o json, GPUFLEET_LIVE=0 or a pipe)
+    status = args.output != "json" and choose_view(None) == "terminal"
     try:
-        final = follow_logs(store, run.id, write, node=args.node, attempt=args.attempt)
+        final = follow_logs(store, run.id, write, node=args.node, attempt=args.attempt, status_line=status)
     except KeyboardInterrupt:
         return 130
     except RunNotFoundError as e:  # its row was deleted meanwhile

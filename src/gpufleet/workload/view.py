@@ -15,17 +15,10 @@ from pathlib import Path
 from typing import IO
 
 from .formats import fmt_duration, fmt_time  # noqa: F401 - also used by the other views
+from .liveline import STATE_STYLE as _STATE_STYLE
+from .liveline import RankProgress, render_status
 from .liveness import get_run
 from .store import TERMINAL_STATES, AttemptRecord, RunRecord, RunStore
-
-_STATE_STYLE = {
-    "PENDING": "yellow",
-    "RUNNING": "cyan",
-    "SUCCESS": "green",
-    "FAILED": "red",
-    "CANCELED": "magenta",
-    "TIMEDOUT": "red",
-}
 
 
 def is_terminal(stream: IO[str]) -> bool:
@@ -248,22 +241,13 @@ def _watch_rich(store: RunStore, run: RunRecord, follower: LogFollower, poll_s: 
                 shown: set[str] | None = None) -> RunRecord:  # fmt: skip
     from rich.console import Console
     from rich.live import Live
-    from rich.spinner import Spinner
     from rich.text import Text
 
     console = Console()
+    progress = RankProgress()
 
-    def render(r: RunRecord) -> Spinner | Text:
-        style = _STATE_STYLE.get(r.state, "")
-        text = Text.assemble(("run ", "dim"), (r.id, "bold"), "  ", (r.state, f"bold {style}"))
-        if r.attempts:
-            text.append(f"  attempt {len(r.attempts)}/{r.max_attempts}", style="dim")
-        text.append(f"  {fmt_duration(r.duration_s)}", style="dim")
-        if r.state in TERMINAL_STATES:
-            if r.message:
-                text.append(f"\n{r.message}", style=style)
-            return text
-        return Spinner("dots", text=text)
+    def render(r: RunRecord) -> object:
+        return render_status(r, progress)
 
     with Live(render(run), console=console, refresh_per_second=8, transient=False) as live:
         while True:
@@ -286,18 +270,37 @@ def follow_logs(
     node: int | None = None,
     attempt: int | None = None,
     poll_s: float = 0.25,
+    status_line: bool = False,
 ) -> RunRecord:
-    """Call ``write(prefix, line)`` for each new log line until the run ends."""
+    """Call ``write(prefix, line)`` for each new log line until the run ends.
+
+    With ``status_line`` (a terminal), a live status line of the run stays under the lines
+    (rich's ``Live``; ``write`` then goes through its redirected ``sys.stdout``).
+    """
     run = get_run(store, run_id)
     follower = LogFollower(run, node=node, attempt=attempt)
-    while True:
-        done = run.state in TERMINAL_STATES
-        for prefix, line in follower.read(run, final=done):
-            write(prefix, line)
-        if done:
-            return run
-        time.sleep(poll_s)
-        run = _still_there(store, run)
+    live = None
+    if status_line:
+        from rich.console import Console
+        from rich.live import Live
+
+        progress = RankProgress()
+        live = Live(render_status(run, progress), console=Console(), refresh_per_second=8, transient=True)  # type: ignore[arg-type]
+        live.start()
+    try:
+        while True:
+            done = run.state in TERMINAL_STATES
+            for prefix, line in follower.read(run, final=done):
+                write(prefix, line)
+            if live is not None:
+                live.update(render_status(run, progress))  # type: ignore[arg-type]
+            if done:
+                return run
+            time.sleep(poll_s)
+            run = _still_there(store, run)
+    finally:
+        if live is not None:
+            live.stop()
 
 
 # ------------------------------------------------------------------ tables
