@@ -23,11 +23,15 @@ from gpufleet.tracking import log_metrics
 
 @distributed(gpus=2, gpu_type="cpu", tracking=False, live=None if sys.argv[1] == "on" else False)
 def train(steps):
+    import torch.distributed as dist
+    runtime.setup()
+    dist.barrier()  # both ranks in the loop together, however long either took to start
     runtime.set_total_steps(steps)
     for step in range(1, steps + 1):
         time.sleep(0.1)
         runtime.report_step(step)
         log_metrics({"loss": 1.0 / step}, step=step)
+    dist.barrier()
     print("LOOP DONE", flush=True)
     return step
 

@@ -381,9 +381,8 @@ def _follow(store: Any, run: Any, args: argparse.Namespace) -> int:
             sys.stdout.write((prefix if args.node is None else "") + line + "\n")
         sys.stdout.flush()
 
-    from .store import RunNotFoundError
-
     from ..live import choose_view
+    from .store import RunNotFoundError
 
     # a live status line under the lines on a terminal (not with -o json, GPUFLEET_LIVE=0 or a pipe)
     status = args.output != "json" and choose_view(None) == "terminal"
