@@ -375,3 +375,20 @@ def test_a_killed_kernel_leaves_no_setsid_helper_and_no_control_folder(tmp_path)
     (stale / "owner.lock").touch()
     distributed(_all_reduce_and_pid, keep_warm=60, runs_dir=str(runs), **CPU).distributed(1)
     assert not stale.exists()
+
+
+def _pid_after(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_a_cancel_keeps_warm_ranks_that_come_back_from_it():
+    # seen: cancel() discarded the warm ranks, so the next call started cold (2.1 s)
+    f = distributed(_pid_after, keep_warm=60, **{**CPU, "grace_period_s": 10.0})  # the time to come back
+    first = f.distributed(0.0)
+    handle = f.submit(60.0)
+    time.sleep(1.0)  # inside the call
+    handle.cancel()
+    with pytest.raises(errors.RunCanceledError):
+        handle.result(timeout=30)
+    assert f.distributed(0.0) == first  # the interrupted call's ranks serve the next one
