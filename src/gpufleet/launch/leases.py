@@ -28,8 +28,8 @@ lock file is opened without following symlinks and used only when it is a plain 
 single link. With fake GPUs (``GPUFLEET_FAKE_GPUS``, the test override of discovery) the
 default folder is ``$GPUFLEET_HOME/gpu-leases-fake``, so test sessions do not share fake GPUs.
 
-One concern past 400 lines: the lease protocol itself (lock files, holders, waiting and
-who-holds-what messages), kept whole so that its locking rules are read in one place.
+One concern past 400 lines: the lease protocol itself (lock files, holders, waiting, the want
+files of waiting runs and who-holds-what messages), kept whole so that its locking rules are read in one place.
 """
 
 from __future__ import annotations

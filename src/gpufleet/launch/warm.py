@@ -6,9 +6,19 @@ interpreters that already imported what the last call imported, hold their CUDA 
 their process group (:mod:`gpufleet.launch.warm_worker`). Ranks are reused only for the same
 placement and environment (GPUs, world size, the call's ``env``, the Python executable, the
 function's source file when it is imported rather than shipped by value); anything else starts
-fresh ranks, stopping idle ones that hold the same GPUs. Any failure, timeout, cancel or Ctrl-C
-discards the ranks; ranks idle past ``keep_warm`` seconds are stopped, and so are all of them
-when the calling process ends (ranks also end themselves when their caller dies).
+fresh ranks, stopping idle ones that hold the same GPUs. Each call starts from a cold rank's
+process state (:mod:`gpufleet.launch.warm_state`); a rank that cannot put its state back says so
+with its end-of-job mark and is replaced. Any failure, timeout or Ctrl-C discards the ranks; a
+cancel interrupts the call in every rank and keeps them when all come back within the grace
+period. Ranks idle past ``keep_warm`` seconds, or whose GPUs another run waits for, are stopped,
+and so are all of them when the calling process ends (ranks also end themselves, their helpers
+and their control folder when their caller dies; a control folder left anyway goes at the next
+start). Idle ranks are named ``warm`` in their GPU lease, under their last call's run id, which
+``gpufleet cancel`` takes to free them.
+
+One concern past 400 lines: the life of warm ranks in the caller (the pool, the group that serves
+one call on them, their control folders), kept whole so that who may stop or reuse them is read
+in one place.
 """
 
 from __future__ import annotations
@@ -422,7 +432,7 @@ class WarmWorkerGroup(LocalWorkerGroup):
         assert warm is not None
         if not warm.alive():
             return False
-        for proc, pump in zip(warm.procs, warm.pumps):
+        for proc, pump in zip(warm.procs, warm.pumps, strict=True):
             if not pump.ended():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGINT)

@@ -84,7 +84,7 @@ class ColdState:
     def restore(self) -> list[str]:
         """Put back what the call changed; returns why the ranks must be replaced (empty: they may serve again)."""
         replace: list[str] = []
-        for i, (name, stream) in enumerate(zip(("stdin", "stdout", "stderr"), self.streams)):
+        for name, stream in zip(("stdin", "stdout", "stderr"), self.streams, strict=True):
             if getattr(sys, name) is not stream:
                 setattr(sys, name, stream)
             if stream.closed:
