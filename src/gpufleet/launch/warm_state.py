@@ -11,9 +11,10 @@ cheaply:
 - torch's process-wide settings: default dtype and device, thread count, grad and anomaly mode,
   deterministic algorithms, float32 matmul precision, the TF32 and cuDNN switches; torch's,
   NumPy's and Python's random generators are seeded afresh (a cold rank's start from a random seed);
-- every function or class of an already imported ``torch`` module, and every attribute of
-  ``torch.Tensor`` and ``torch.nn.Module``, that the call replaced or deleted (a monkeypatched
-  ``torch.add``); attributes a call added to those two classes are deleted.
+- every function or class of torch's main namespaces (:data:`WATCHED_MODULES`: ``torch``,
+  ``torch.nn.functional``, ``torch.distributed``, ...), and every attribute of ``torch.Tensor``
+  and ``torch.nn.Module``, that the call replaced or deleted (a monkeypatched ``torch.add``);
+  attributes a call added to those two classes are deleted.
 
 The environment and working directory are the job's: those the caller gives a rank of this call.
 What cannot be put back makes :meth:`restore` return reasons to *replace* the ranks (the next
@@ -206,7 +207,9 @@ def _restore_torch_settings(s: dict[str, Any]) -> None:
     with contextlib.suppress(Exception):
         torch.set_float32_matmul_precision(s["matmul_precision"])
     with contextlib.suppress(Exception):
-        torch.seed()  # a cold rank's generators start from a random seed, not from the last call's
+        torch.default_generator.seed()  # a cold rank's generators start from a random seed, not the last call's
+        if torch.cuda.is_initialized():
+            torch.cuda.seed_all()
     with contextlib.suppress(Exception):
         if "device" in s and torch.get_default_device() != s["device"]:
             torch.set_default_device(None)
@@ -217,20 +220,29 @@ def _restore_torch_settings(s: dict[str, Any]) -> None:
             cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = s["cudnn"]
 
 
-def _torch_attributes() -> list[tuple[Any, dict[str, Any], str, Any]]:
-    """(owner, its __dict__, name, value) of every function/class of torch's loaded modules, and of two classes' dicts."""
+#: The torch modules whose functions and classes are put back after each call (those user code
+#: patches; every module of torch would cost tens of milliseconds per call).
+WATCHED_MODULES = (
+    "torch", "torch.nn", "torch.nn.functional", "torch.nn.init", "torch.autograd", "torch.cuda", "torch.optim",
+    "torch.distributed", "torch.distributed.distributed_c10d", "torch.utils.data", "torch.utils.checkpoint",
+    "torch.serialization", "torch.random", "torch.backends",
+)  # fmt: skip
+
+
+def _torch_attributes() -> list[tuple[Any, Any, str, Any]]:
+    """(owner, its __dict__, name, value) of every function/class of :data:`WATCHED_MODULES`, and of two classes' dicts."""
     torch = sys.modules.get("torch")
     if torch is None:
         return []
     found = []
-    for name, module in list(sys.modules.items()):
-        if module is None or not (name == "torch" or name.startswith("torch.")):
-            continue
+    for name in WATCHED_MODULES:
+        module = sys.modules.get(name)
         d = getattr(module, "__dict__", None)
         if not isinstance(d, dict):
             continue
         for key, value in list(d.items()):
-            if callable(value) and not isinstance(value, types.ModuleType):
+            kind = type(value)  # not isinstance(): it reads __class__, which some deprecated objects warn about
+            if kind is types.FunctionType or kind is types.BuiltinFunctionType or issubclass(kind, type):
                 found.append((module, d, key, value))
     for cls in (torch.Tensor, torch.nn.Module):
         for key, value in list(vars(cls).items()):
