@@ -224,3 +224,177 @@ def test_keep_warm_is_checked():
     for bad in (-1, float("nan"), "600"):
         with pytest.raises(errors.LaunchConfigError, match="keep_warm must be"):
             distributed(_all_reduce_and_pid, keep_warm=bad, **CPU)
+
+
+# ------------------------------------------------------------------ warm ranks forget (what a call changed)
+
+
+def _change_everything(tmp: str) -> int:
+    import io
+    import resource
+    import signal
+    import sys
+
+    import torch
+
+    torch.set_default_dtype(torch.float64)
+    torch.add = lambda *a, **k: "patched"
+    torch.Tensor.add = lambda *a, **k: "patched"
+    torch.set_num_threads(1)
+    torch.manual_seed(1234)
+    torch.set_grad_enabled(False)
+    os.environ["LEFT_BY_A_CALL"] = "1"
+    os.chdir(tmp)
+    sys.path.append("/left/by/a/call")
+    signal.signal(signal.SIGTERM, lambda *a: None)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 64), hard))
+    print("a partial line", end="", flush=True)  # the end-of-job mark then follows on the same line
+    sys.stdout = io.StringIO()  # and the next prints go nowhere the caller sees
+    return os.getpid()
+
+
+def _process_state() -> tuple:
+    import resource
+    import signal
+    import sys
+
+    import torch
+
+    return (
+        os.getpid(), str(torch.get_default_dtype()), torch.add(torch.ones(1), 1).tolist(),
+        torch.ones(1).add(1).tolist(), torch.get_num_threads(), torch.initial_seed() == 1234, torch.is_grad_enabled(),
+        os.environ.get("LEFT_BY_A_CALL"), os.getcwd(), "/left/by/a/call" in sys.path,
+        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, resource.getrlimit(resource.RLIMIT_NOFILE),
+        sys.stdin.readline(), sys.stdout is sys.__stdout__,
+    )  # fmt: skip
+
+
+def test_a_warm_call_starts_from_the_state_of_a_cold_rank(tmp_path):
+    # seen: the dtype, a patched torch.add, threads, environment, cwd, sys.path, handlers and limits of
+    # one call were the next call's; stdin.readline() hung; a replaced sys.stdout cost 10 s per call
+    cold = [r[1:] for r in distributed(_process_state, keep_warm=False, **CPU).distributed()]
+    change = distributed(_change_everything, keep_warm=60, **{**CPU, "timeout": 60})
+    first = change.distributed(str(tmp_path))
+    state = distributed(_process_state, keep_warm=60, **{**CPU, "timeout": 60})
+    warm = state.distributed()
+    assert [r[0] for r in warm] == first  # the same ranks, kept (not discarded after a 10 s wait)
+    assert [r[1:] for r in warm] == cold
+    assert change.distributed(str(tmp_path)) == first  # and they keep serving
+
+
+def _timed_fault_then_return() -> int:
+    return os.getpid()
+
+
+def _sleep_past_the_fault(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_a_fault_timer_of_one_call_never_fires_in_the_next():
+    first = distributed(_timed_fault_then_return, keep_warm=60, **CPU).distributed()  # the ranks, warm
+    faulty = distributed(_timed_fault_then_return, keep_warm=60, faults=["kill:rank=1:after=4"], **CPU)
+    assert faulty.distributed() == first  # returns before its fault is due
+    later = distributed(_sleep_past_the_fault, keep_warm=60, **CPU).distributed(5.0)
+    assert later == first
+
+
+def _leave_a_thread_and_children(marker: str) -> tuple[int, int, int]:
+    import subprocess
+    import sys
+    import threading
+
+    def chatter() -> None:
+        while True:
+            print(marker, flush=True)
+            time.sleep(0.05)
+
+    threading.Thread(target=chatter, daemon=True).start()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    return os.getpid(), child.pid, helper.pid
+
+
+def test_a_call_that_leaves_threads_or_children_gets_fresh_ranks_and_its_children_stop():
+    import psutil
+
+    f = distributed(_leave_a_thread_and_children, keep_warm=60, **CPU)
+    first = f.distributed("LEFT-BEHIND-THREAD")
+    children = [pid for r in first for pid in r[1:]]
+    deadline = time.monotonic() + 15
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in children):
+        assert time.monotonic() < deadline, "the children a call left are still running"
+        time.sleep(0.1)
+    handle = distributed(_all_reduce_and_pid, keep_warm=60, **CPU).submit(1)
+    second = handle.result(timeout=60)
+    assert set(pids(second)).isdisjoint(r[0] for r in first)  # replaced: the thread could not be stopped
+    logs = "".join(open(os.path.join(handle.run_dir, f"rank-{r}.log")).read() for r in range(2))
+    assert "LEFT-BEHIND-THREAD" not in logs
+
+
+KILLED_KERNEL = textwrap.dedent("""
+    import os, sys, time
+    from gpufleet import distributed
+
+    def helper_then_wait(path):
+        import os, subprocess, sys, time
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+        with open(path + ".tmp", "w") as f:
+            f.write(str(helper.pid))
+        os.replace(path + ".tmp", path)
+        time.sleep(60)
+
+    f = distributed(helper_then_wait, gpus=1, gpu_type="cpu", tracking=False, stream_logs=False, keep_warm=60)
+    f.distributed(sys.argv[1])
+""")
+
+
+def test_a_killed_kernel_leaves_no_setsid_helper_and_no_control_folder(tmp_path):
+    import psutil
+
+    runs = tmp_path / "home" / "runs"
+    script = tmp_path / "kernel.py"
+    script.write_text(KILLED_KERNEL)
+    marker = tmp_path / "helper.pid"
+    env = {**os.environ, "GPUFLEET_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen([sys.executable, str(script), str(marker)], env=env)
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the call did not start its helper"
+        time.sleep(0.1)
+    helper = int(marker.read_text())
+    assert list(runs.glob("gpufleet-warm-*"))
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 15
+    while psutil.pid_exists(helper) and psutil.Process(helper).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the call's setsid helper outlived its killed kernel"
+        time.sleep(0.1)
+    deadline = time.monotonic() + 15
+    while list(runs.glob("gpufleet-warm-*")):
+        assert time.monotonic() < deadline, "the killed kernel's warm control folder stayed"
+        time.sleep(0.1)
+    # a folder whose caller died before its ranks could remove it goes at the next start of warm ranks
+    stale = runs / "gpufleet-warm-stale"
+    stale.mkdir()
+    (stale / "owner.lock").touch()
+    distributed(_all_reduce_and_pid, keep_warm=60, runs_dir=str(runs), **CPU).distributed(1)
+    assert not stale.exists()
+
+
+def _pid_after(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_a_cancel_keeps_warm_ranks_that_come_back_from_it():
+    # seen: cancel() discarded the warm ranks, so the next call started cold (2.1 s)
+    f = distributed(_pid_after, keep_warm=60, **{**CPU, "grace_period_s": 10.0})  # the time to come back
+    first = f.distributed(0.0)
+    handle = f.submit(60.0)
+    time.sleep(1.0)  # inside the call
+    handle.cancel()
+    with pytest.raises(errors.RunCanceledError):
+        handle.result(timeout=30)
+    assert f.distributed(0.0) == first  # the interrupted call's ranks serve the next one

@@ -253,3 +253,42 @@ def test_a_failed_rank_log_ends_with_its_traceback_secrets_masked(
     assert Path(handle.run_dir, "rank-1.log").read_text().splitlines()[-1] == lines[-1]
     code, out, _ = cli(capsys, "logs", handle.run_id, "--rank", "0")  # rank 0 did not fail
     assert code == 0 and "Traceback" not in out
+
+
+def test_idle_warm_ranks_are_named_and_give_their_gpus_to_a_waiting_run_or_to_cancel(
+    store: RunStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # seen: idle warm ranks held GPUs under a finished run's id that `gpufleet cancel` could not free,
+    # and keep_warm (600 s) outlasted another notebook's gpu_wait (300 s)
+    from gpufleet.launch.leases import gpu_uses
+
+    def wait_free() -> None:
+        deadline = time.monotonic() + 30
+        while not all(u.free for u in gpu_uses()):
+            assert time.monotonic() < deadline, gpu_uses()
+            time.sleep(0.1)
+
+    warm = visible.with_overrides(keep_warm=600, gpus=2)
+    try:
+        handle = warm.submit()
+        assert handle.result(60) == ["0,1", "0,1"]
+        uses = gpu_uses()
+        assert all(u.held and u.holder and (u.holder.run_id, u.holder.kind) == (handle.run_id, "warm") for u in uses)
+        code, out, _ = cli(capsys, "ps")
+        assert f"idle warm ranks of run {handle.run_id}" in out and f"gpufleet cancel {handle.run_id}" in out
+        code, out, _ = cli(capsys, "cancel", handle.run_id)
+        assert code == 0 and "gave their GPUs back" in out, out
+        wait_free()
+        warm.distributed()  # warm again (new ranks)
+        waiter = subprocess.Popen([sys.executable, "-m", "tests.leases.holder", "run-waiting", "1", "60"], cwd=REPO,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert waiter.stdout is not None and waiter.stdout.readline().startswith("GOT ")  # within its wait
+        finally:
+            waiter.kill()
+            waiter.wait()
+            waiter.stdin.close()
+            waiter.stdout.close()
+    finally:
+        warm.shutdown()
+    wait_free()

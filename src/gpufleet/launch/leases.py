@@ -34,8 +34,8 @@ made it, instead of failing every lease; only its maker or root can remove it. W
 record says is escaped before it is printed (:func:`gpufleet.printable.printable`). With fake GPUs (``GPUFLEET_FAKE_GPUS``, the test override of discovery) the
 default folder is ``$GPUFLEET_HOME/gpu-leases-fake``, so test sessions do not share fake GPUs.
 
-One concern past 400 lines: the lease protocol itself (lock files, holders, waiting and
-who-holds-what messages), kept whole so that its locking rules are read in one place.
+One concern past 400 lines: the lease protocol itself (lock files, holders, waiting, the want
+files of waiting runs and who-holds-what messages), kept whole so that its locking rules are read in one place.
 """
 
 from __future__ import annotations
@@ -125,6 +125,9 @@ class Holder:
     host: str = field(default_factory=socket.gethostname)
 
     def describe(self) -> str:
+        if self.kind == "warm":
+            return (f"idle warm ranks of run {self.run_id} (pid {self.pid}, user {self.user}; given back when a run "
+                    f"waits for them, or by `gpufleet cancel {self.run_id}`)")  # fmt: skip
         return (f"run {self.run_id} ({self.kind}, pid {self.pid}, user {self.user}, since "
                 f"{_fmt_time(self.since)}, {_fmt_age(time.time() - self.since)} ago)")  # fmt: skip
 
@@ -530,6 +533,19 @@ def want(gpus: Sequence[GPUInfo], seconds: float, until: Callable[[], bool]) -> 
         return until()
     finally:
         waiting.close()
+
+
+def give_back_idle(run_id: str, seconds: float = 15.0) -> bool | None:
+    """Ask idle warm ranks that hold GPUs under ``run_id`` (holder kind ``warm``) to give them back.
+
+    None when no GPU is held so; else whether they were given back within ``seconds``.
+    """
+    uses = [u for u in gpu_uses() if u.held and u.holder and u.holder.run_id == run_id and u.holder.kind == "warm"]
+    if not uses:
+        return None
+    gpus = [u.gpu for u in uses]
+    return want(gpus, seconds, until=lambda: not any(
+        u.held and u.holder is not None and u.holder.run_id == run_id for u in gpu_uses(gpus)))  # fmt: skip
 
 
 def waiting_message(request: GpuRequest, holder: Holder, busy: list[GpuUse], total: int, wait_s: float | None) -> str:

@@ -6,9 +6,19 @@ interpreters that already imported what the last call imported, hold their CUDA 
 their process group (:mod:`gpufleet.launch.warm_worker`). Ranks are reused only for the same
 placement and environment (GPUs, world size, the call's ``env``, the Python executable, the
 function's source file when it is imported rather than shipped by value); anything else starts
-fresh ranks, stopping idle ones that hold the same GPUs. Any failure, timeout, cancel or Ctrl-C
-discards the ranks; ranks idle past ``keep_warm`` seconds are stopped, and so are all of them
-when the calling process ends (ranks also end themselves when their caller dies).
+fresh ranks, stopping idle ones that hold the same GPUs. Each call starts from a cold rank's
+process state (:mod:`gpufleet.launch.warm_state`); a rank that cannot put its state back says so
+with its end-of-job mark and is replaced. Any failure, timeout or Ctrl-C discards the ranks; a
+cancel interrupts the call in every rank and keeps them when all come back within the grace
+period. Ranks idle past ``keep_warm`` seconds, or whose GPUs another run waits for, are stopped,
+and so are all of them when the calling process ends (ranks also end themselves, their helpers
+and their control folder when their caller dies; a control folder left anyway goes at the next
+start). Idle ranks are named ``warm`` in their GPU lease, under their last call's run id, which
+``gpufleet cancel`` takes to free them.
+
+One concern past 400 lines: the life of warm ranks in the caller (the pool, the group that serves
+one call on them, their control folders), kept whole so that who may stop or reuse them is read
+in one place.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +43,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..results import RunDir
+from . import failures
 from .gpu_requests import lease_for_group, release_group_lease
 from .group import GroupStatus
 from .kernel import interactive
@@ -111,6 +123,10 @@ class _Pump:
     def join(self, timeout_s: float) -> None:
         """Wait (up to ``timeout_s``) for the output of a rank that exited."""
         self.wait_for_end(timeout_s)
+
+    def ended(self) -> bool:
+        """Whether the rank marked the end of its job on both streams."""
+        return all(e.is_set() for e in self._ends.values())
 
     def wait_for_end(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -329,6 +345,7 @@ class WarmWorkerGroup(LocalWorkerGroup):
         self._keep_warm_s = keep_warm_s
         self.warm: WarmRanks | None = None
         self.reused = False
+        self._kept = False  # a cancel the ranks came back from: they stay warm
 
     def _stacks_dir(self) -> Path:
         return self.warm.control_dir if self.warm else self.run_dir.path
@@ -395,6 +412,13 @@ class WarmWorkerGroup(LocalWorkerGroup):
         return self._env(rank, self.warm.rendezvous)
 
     def stop(self, reason: str, grace_period_s: float, dump_stacks: bool = False) -> GroupStatus:
+        if self.abort.is_set() and not dump_stacks and self.warm is not None and self._interrupt(grace_period_s):
+            t_stop = time.time()  # a cancel that every rank came back from: the ranks stay warm
+            self._kept = True
+            for rank in range(self.spec.world_size):
+                if rank not in self._results:  # interrupted (or failed before): stopped by the cancel
+                    self._failures[rank] = failures.stopped(rank, reason, t_stop, self.run_dir.log(rank))
+            return self._status()
         if self.warm is not None:
             POOL.discard(self.warm)  # a stopped call leaves no warm ranks behind
         status = super().stop(reason, grace_period_s, dump_stacks)
@@ -402,12 +426,36 @@ class WarmWorkerGroup(LocalWorkerGroup):
             self.warm.stop(0.0)
         return status
 
+    def _interrupt(self, grace_period_s: float) -> bool:
+        """A cancel: interrupt the call in every rank (``KeyboardInterrupt``, as Ctrl-C would); True when
+        every rank came back from it within the grace period (at most 5 s), ready for the next call.
+
+        A rank that does not come back (stuck in a collective its peer left, or ignoring SIGINT) is
+        stopped with the others as for any stop.
+        """
+        warm = self.warm
+        assert warm is not None
+        if not warm.alive():
+            return False
+        for proc, pump in zip(warm.procs, warm.pumps, strict=True):
+            if not pump.ended():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGINT)
+        limit = max(0.0, min(grace_period_s, 5.0))
+        deadline = time.monotonic() + limit
+        came_back = all(p.wait_for_end(max(0.0, deadline - time.monotonic())) for p in warm.pumps)
+        return came_back and warm.alive() and not any(p.replace for p in warm.pumps)
+
     def close(self, succeeded: bool) -> None:
         if self._closed:
             return
         self._closed = True
         warm = self.warm
-        if (warm is not None and succeeded and all(p.wait_for_end(10.0) for p in warm.pumps) and warm.alive()
+        if warm is not None and self._kept:
+            for pump in warm.pumps:
+                pump.close()
+            POOL.release(warm, self.run_id)
+        elif (warm is not None and succeeded and all(p.wait_for_end(10.0) for p in warm.pumps) and warm.alive()
                 and not any(p.replace for p in warm.pumps)):  # fmt: skip
             for pump in warm.pumps:
                 pump.close()

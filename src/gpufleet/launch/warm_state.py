@@ -9,11 +9,12 @@ cheaply:
   ``/dev/null``, as a cold rank's does), the umask, every signal handler set from Python, the
   resource limits;
 - torch's process-wide settings: default dtype and device, thread count, grad and anomaly mode,
-  deterministic algorithms, float32 matmul precision, the TF32 and cuDNN switches, and the CPU
-  random generator's state (a cold rank starts from torch's fixed default seed);
-- every function or class of an already imported ``torch`` module, and every attribute of
-  ``torch.Tensor`` and ``torch.nn.Module``, that the call replaced or deleted (a monkeypatched
-  ``torch.add``).
+  deterministic algorithms, float32 matmul precision, the TF32 and cuDNN switches; torch's,
+  NumPy's and Python's random generators are seeded afresh (a cold rank's start from a random seed);
+- every function or class of torch's main namespaces (:data:`WATCHED_MODULES`: ``torch``,
+  ``torch.nn.functional``, ``torch.distributed``, ...), and every attribute of ``torch.Tensor``
+  and ``torch.nn.Module``, that the call replaced or deleted (a monkeypatched ``torch.add``);
+  attributes a call added to those two classes are deleted.
 
 The environment and working directory are the job's: those the caller gives a rank of this call.
 What cannot be put back makes :meth:`restore` return reasons to *replace* the ranks (the next
@@ -84,7 +85,7 @@ class ColdState:
     def restore(self) -> list[str]:
         """Put back what the call changed; returns why the ranks must be replaced (empty: they may serve again)."""
         replace: list[str] = []
-        for i, (name, stream) in enumerate(zip(("stdin", "stdout", "stderr"), self.streams)):
+        for name, stream in zip(("stdin", "stdout", "stderr"), self.streams, strict=True):
             if getattr(sys, name) is not stream:
                 setattr(sys, name, stream)
             if stream.closed:
@@ -165,7 +166,6 @@ def _torch_settings() -> dict[str, Any]:
         "anomaly": torch.is_anomaly_enabled(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "matmul_precision": torch.get_float32_matmul_precision(),
-        "rng": torch.get_rng_state(),
     }
     with contextlib.suppress(Exception):
         s["device"] = torch.get_default_device()
@@ -176,7 +176,19 @@ def _torch_settings() -> dict[str, Any]:
     return s
 
 
+def _reseed() -> None:
+    """Random generators seeded afresh, as in a new process (a call's ``manual_seed`` is not the next call's)."""
+    import random
+
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        with contextlib.suppress(Exception):
+            numpy.random.seed()
+
+
 def _restore_torch_settings(s: dict[str, Any]) -> None:
+    _reseed()
     torch = sys.modules.get("torch")
     if torch is None or not s:
         return
@@ -195,7 +207,9 @@ def _restore_torch_settings(s: dict[str, Any]) -> None:
     with contextlib.suppress(Exception):
         torch.set_float32_matmul_precision(s["matmul_precision"])
     with contextlib.suppress(Exception):
-        torch.set_rng_state(s["rng"])
+        torch.default_generator.seed()  # a cold rank's generators start from a random seed, not the last call's
+        if torch.cuda.is_initialized():
+            torch.cuda.seed_all()
     with contextlib.suppress(Exception):
         if "device" in s and torch.get_default_device() != s["device"]:
             torch.set_default_device(None)
@@ -206,30 +220,45 @@ def _restore_torch_settings(s: dict[str, Any]) -> None:
             cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = s["cudnn"]
 
 
-def _torch_attributes() -> list[tuple[Any, dict[str, Any], str, Any]]:
-    """(owner, its __dict__, name, value) of every function/class of torch's loaded modules, and of two classes' dicts."""
+#: The torch modules whose functions and classes are put back after each call (those user code
+#: patches; every module of torch would cost tens of milliseconds per call).
+WATCHED_MODULES = (
+    "torch", "torch.nn", "torch.nn.functional", "torch.nn.init", "torch.autograd", "torch.cuda", "torch.optim",
+    "torch.distributed", "torch.distributed.distributed_c10d", "torch.utils.data", "torch.utils.checkpoint",
+    "torch.serialization", "torch.random", "torch.backends",
+)  # fmt: skip
+
+
+def _torch_attributes() -> list[tuple[Any, Any, str, Any]]:
+    """(owner, its __dict__, name, value) of every function/class of :data:`WATCHED_MODULES`, and of two classes' dicts."""
     torch = sys.modules.get("torch")
     if torch is None:
         return []
     found = []
-    for name, module in list(sys.modules.items()):
-        if module is None or not (name == "torch" or name.startswith("torch.")):
-            continue
+    for name in WATCHED_MODULES:
+        module = sys.modules.get(name)
         d = getattr(module, "__dict__", None)
         if not isinstance(d, dict):
             continue
         for key, value in list(d.items()):
-            if callable(value) and not isinstance(value, types.ModuleType):
+            kind = type(value)  # not isinstance(): it reads __class__, which some deprecated objects warn about
+            if kind is types.FunctionType or kind is types.BuiltinFunctionType or issubclass(kind, type):
                 found.append((module, d, key, value))
     for cls in (torch.Tensor, torch.nn.Module):
         for key, value in list(vars(cls).items()):
             found.append((cls, vars(cls), key, value))
+        found.append((cls, vars(cls), "", frozenset(vars(cls))))  # its own names: one a call adds goes again
     return found
 
 
 def _restore_attributes(attributes: list[tuple[Any, Any, str, Any]]) -> list[str]:
     failed = []
     for owner, d, key, value in attributes:
+        if not key:  # a class's names before the call: what the call added is deleted (Tensor.add over TensorBase's)
+            for added in set(d) - value:
+                with contextlib.suppress(AttributeError, TypeError):
+                    delattr(owner, added)
+            continue
         if d.get(key, _MISSING) is value:
             continue
         try:

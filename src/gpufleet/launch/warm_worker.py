@@ -114,13 +114,19 @@ def serve(control_dir: Path, rank: int) -> int:
             if entry not in sys.path:
                 sys.path.append(entry)
         register_sources(payload.sources)  # tracebacks show the lines of code sent by value
-        call = worker.load_call(payload.call, rank, run_dir.outcome(rank))
-        del payload
-        if call is not None:
-            worker.run_call(*call, rank, run_dir.outcome(rank))
-        del call
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a cancel interrupts the call, not the rank
+        try:
+            call = worker.load_call(payload.call, rank, run_dir.outcome(rank))
+            del payload
+            if call is not None:
+                worker.run_call(*call, rank, run_dir.outcome(rank))
+        except KeyboardInterrupt:  # a cancel that came while the outcome was being written
+            pass
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        call = None
         faults.disarm()  # a fault timer of this call never fires in the next one
         replace = cold.restore()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # idle: a late cancel must not end the rank
         _free_memory()
         _end_of_job(replace)
     return 0

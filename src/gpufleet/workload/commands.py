@@ -421,6 +421,10 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     for run in runs:
         if not run.is_active:
             results[run.id] = {"id": run.id, "state": run.state, "canceled": False, "note": f"already {run.state}"}
+            freed = _give_back_idle_gpus(run) if not args.no_wait else None
+            if freed is not None:
+                results[run.id]["note"] += ("; its idle warm ranks gave their GPUs back" if freed
+                                            else "; its idle warm ranks did not give their GPUs back")  # fmt: skip
             continue
         signaled = _signal_supervisor(run)  # a RUNNING run stops at once, even while the store is busy
         store.request_cancel(run.id)  # a PENDING run's supervisor reads it as it starts
@@ -455,6 +459,19 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         for r in ordered:
             print(f"{r['id']}\t{r['state']}" + (f"\t({r['note']})" if r.get("note") else ""))
     return 0 if all(RunState(r["state"]).terminal for r in ordered) or args.no_wait else 1
+
+
+def _give_back_idle_gpus(run: Any) -> bool | None:
+    """A finished call whose idle warm ranks still hold GPUs under its id: ask them back (None: none held)."""
+    if not run.is_call:
+        return None
+    from ..errors import GpufleetError
+    from ..launch.leases import give_back_idle
+
+    try:
+        return give_back_idle(run.id)
+    except GpufleetError:
+        return None
 
 
 def _signal_supervisor(run: Any) -> bool:
