@@ -14,6 +14,8 @@ from tests.workload.helpers import cli, write_workload
 CPU = {"gpus": 1, "gpu_type": "cpu", "tracking": False, "stream_logs": False}
 # forks twice (sh -c '... &' exits at once), a session of its own, nothing in its environment
 DAEMON = "setsid env -i /bin/sh -c 'echo $$ > {pidfile}; exec sleep 300' > /dev/null 2>&1 < /dev/null &"
+# the rank or node waits until the daemon is up, however slow the machine (else it may be stopped first)
+WAIT = "\nwhile [ ! -s {pidfile} ]; do sleep 0.05; done"
 
 
 def _pid_from(path: Path, timeout: float = 60) -> int:
@@ -45,7 +47,7 @@ def _gone_within(pid: int, timeout: float) -> bool:
 def _start_daemon(pidfile: str) -> str:
     import subprocess
 
-    subprocess.run(["/bin/sh", "-c", DAEMON.format(pidfile=pidfile)], check=True)
+    subprocess.run(["/bin/sh", "-c", DAEMON.format(pidfile=pidfile) + WAIT.format(pidfile=pidfile)], check=True)
     return "started"
 
 
@@ -58,7 +60,7 @@ def test_a_double_forked_daemon_with_an_empty_environment_does_not_outlive_the_c
 
 def test_a_double_forked_daemon_does_not_outlive_the_workload(tmp_path, store: RunStore, capsys):
     pidfile = tmp_path / "daemon.pid"
-    wl = write_workload(tmp_path, command=DAEMON.format(pidfile=pidfile) + "\necho done")
+    wl = write_workload(tmp_path, command=DAEMON.format(pidfile=pidfile) + WAIT.format(pidfile=pidfile) + "\necho done")
     rc, out, err = cli(capsys, "run", "-f", str(wl), "--watch", "--no-tracking")
     assert rc == 0, out + err
     assert _gone_within(_pid_from(pidfile), 30), "the daemon outlived the workload"
