@@ -20,7 +20,7 @@ import yaml
 from ..private import private_dir, private_file_opener
 from ..results import new_run_id
 from .liveness import list_runs, process_start_time
-from .schema import Problem, WorkloadConfig, WorkloadValidationError, read_document, validate_document
+from .schema import Problem, WorkloadConfig, WorkloadValidationError, load_workload
 from .snapshot import check_code_source, list_files, scan, snapshot
 from .store import FAILED, PENDING, RunRecord, RunStore
 
@@ -41,11 +41,12 @@ def load_and_check(path: str | Path, overrides: list[str] | None = None) -> tupl
     """Load, override and validate a workload file, and check its code source on disk: every
     problem at once (the folder and files on disk too, when the rest of the file is wrong)."""
     p = Path(path)
-    doc = read_document(p, overrides)
     try:
-        config = validate_document(doc, str(p))
+        config, _ = load_workload(p, overrides)
     except WorkloadValidationError as e:
-        raise WorkloadValidationError(e.problems + _disk_problems(_valid_parts(doc), p), e.source) from None
+        if e.document is None:  # not read or not parsed: nothing more can be checked
+            raise
+        raise WorkloadValidationError(e.problems + _disk_problems(_valid_parts(e.document), p), e.source) from None
     problems = _disk_problems(config, p)
     if problems:
         raise WorkloadValidationError(problems, str(p))

@@ -15,7 +15,7 @@ One concern per module; this package re-exports the public names:
 from __future__ import annotations
 
 from .help import explain, field_paths, json_schema
-from .loading import load_workload, read_document
+from .loading import load_workload
 from .models import (
     RESERVED_ENV,
     CodeSourceConfig,
@@ -43,6 +43,5 @@ __all__ = [
     "json_schema",
     "load_workload",
     "parse_yaml",
-    "read_document",
     "validate_document",
 ]

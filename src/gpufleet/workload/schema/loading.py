@@ -16,12 +16,6 @@ def load_workload(
     path: str | Path, overrides: list[str] | None = None
 ) -> tuple[WorkloadConfig, dict[str, Any]]:
     """Read, override and validate a workload file; returns the config and the raw document."""
-    doc = read_document(path, overrides)
-    return validate_document(doc, str(path)), doc
-
-
-def read_document(path: str | Path, overrides: list[str] | None = None) -> Any:
-    """Read a workload file and apply overrides: the document, not validated yet."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -34,4 +28,4 @@ def read_document(path: str | Path, overrides: list[str] | None = None) -> Any:
         if not isinstance(doc, dict):
             doc = validate_document(doc, str(p))  # raises the top-level problem
         doc = apply_overrides(doc, overrides, str(p))
-    return doc
+    return validate_document(doc, str(p)), doc
