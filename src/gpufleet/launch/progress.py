@@ -117,7 +117,8 @@ def write_progress(path: Path) -> None:
     """Write this rank's progress file once (atomically)."""
     record = {"time": time.time(), "step": step_count(), **_collective_state()}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record))
+    with open(tmp, "w", opener=_private) as f:  # 0600, as every file of the run folder
+        f.write(json.dumps(record))
     os.replace(tmp, path)
 
 
