@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+
 def _python(proc: Any) -> bool:
     try:
         return "python" in Path(proc.exe()).name or "python" in Path(proc.cmdline()[0]).name
