@@ -7,7 +7,10 @@ import importlib.metadata as md
 import json
 import os
 import platform
+import re
+import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 #: extra -> the distributions it installs (import names differ; metadata names are used).
@@ -30,9 +33,29 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def checkout_root() -> Path | None:
+    """The source checkout this gpufleet runs from (an editable install, or ``src/`` on the path), or None."""
+    root = Path(__file__).resolve().parent.parent.parent  # <checkout>/src/gpufleet/doctor.py
+    try:
+        project = (root / "pyproject.toml").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return root if re.search(r'(?m)^name\s*=\s*"gpufleet"', project) else None
+
+
+def install_hint(extra: str) -> str:
+    """How to install one of gpufleet's extras: from PyPI, or into the checkout this gpufleet runs from."""
+    root = checkout_root()
+    if root is None:
+        return f"pip install 'gpufleet[{extra}]'"
+    if root == Path.cwd().resolve():
+        return f"pip install -e '.[{extra}]'"
+    return f"pip install -e {shlex.quote(f'{root}[{extra}]')}"
+
+
 def _torch_report() -> dict[str, Any]:
     if _version("torch") is None:
-        return {"status": WARN, "installed": False, "hint": "pip install 'gpufleet[torch]'"}
+        return {"status": WARN, "installed": False, "hint": install_hint("torch")}
     try:
         import torch
         import torch.distributed as dist
@@ -135,7 +158,7 @@ def collect() -> dict[str, Any]:
         extras[extra] = {
             "installed": not missing,
             "versions": versions,
-            **({"hint": f"pip install 'gpufleet[{extra}]'"} if missing else {}),
+            **({"hint": install_hint(extra)} if missing else {}),
         }
     home = gpufleet_home()
     home_ok = _writable(home)

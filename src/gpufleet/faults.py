@@ -239,6 +239,9 @@ _torch_steps = 0
 _hooked = False
 _armed_at_start: tuple[str, int] | None = None
 _timers: list[threading.Timer] = []
+_unfired: list[Fault] = []  # this rank's faults that have not fired yet (told at exit)
+_armed_since = 0.0
+_told_at_exit = False
 
 
 def arm(rank: int, at_start: bool = False) -> None:
@@ -249,7 +252,7 @@ def arm(rank: int, at_start: bool = False) -> None:
     then keeps them rather than arming them twice. Faults of an earlier call (a warm rank's) are
     disarmed first: a timer never outlives its call.
     """
-    global _armed, _last_step_time, _step, _torch_steps, _armed_at_start
+    global _armed, _last_step_time, _step, _torch_steps, _armed_at_start, _unfired, _armed_since, _told_at_exit
     raw = os.environ.get(FAULTS_ENV) or ""
     if not at_start and _armed_at_start is not None:
         armed_at_start, _armed_at_start = _armed_at_start, None
@@ -262,6 +265,12 @@ def arm(rank: int, at_start: bool = False) -> None:
     if at_start:
         _armed_at_start = (raw, rank)
     mine = [f for f in (Fault(**d).check() for d in json.loads(raw)) if f.rank is None or f.rank == rank]
+    _unfired, _armed_since = list(mine), time.monotonic()
+    if mine and not _told_at_exit:
+        import atexit
+
+        _told_at_exit = True
+        atexit.register(_say_unfired)
     _armed = [f for f in mine if f.after is None]
     for f in mine:
         if f.after is not None:
@@ -291,8 +300,8 @@ def _on_torch_step(*_: Any) -> None:
 
 def disarm() -> None:
     """Forget this rank's faults and cancel their timers (a warm rank's call has ended)."""
-    global _armed, _last_step_time
-    _armed, _last_step_time = [], None
+    global _armed, _last_step_time, _unfired
+    _armed, _last_step_time, _unfired = [], None, []
     while _timers:
         _timers.pop().cancel()
 
@@ -311,6 +320,7 @@ def _seen(step: int) -> None:
     now = time.monotonic()
     for f in _armed:
         if f.action == "slow" and _last_step_time is not None:
+            _done(f)
             time.sleep((f.factor - 1.0) * (now - _last_step_time))
         elif f.step == step:
             _fire(f, f"step {step}")
@@ -362,7 +372,26 @@ class _ThenFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _done(fault: Fault) -> None:
+    with contextlib.suppress(ValueError):
+        _unfired.remove(fault)
+
+
+def _say_unfired() -> None:
+    """At the rank's exit: each fault of it that never fired, and why it could not."""
+    for f in list(_unfired):
+        if f.after is not None:
+            why = f"this rank ended {time.monotonic() - _armed_since:.1f} s after the start, before {f.after:g} s"
+        else:
+            why = (f"this rank counted {_step} step{'s' if _step != 1 else ''} (steps: batches of gpufleet's data "
+                   "loader, optimizer steps, runtime.report_step())")  # fmt: skip
+        verb = "never slowed a step" if f.action == "slow" else "never fired"
+        with contextlib.suppress(Exception):  # a closed stderr at exit
+            print(f"gpufleet: injected fault {f.describe()} {verb}: {why}", file=sys.stderr, flush=True)
+
+
 def _fire(fault: Fault, when: str) -> None:
+    _done(fault)
     print(f"gpufleet: injected fault: {fault.action} at {when}", file=sys.stderr, flush=True)
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

@@ -136,3 +136,21 @@ def test_a_step_fault_fires_in_a_loop_that_counts_only_torch_optimizer_steps():
     with pytest.raises(errors.WorkerSignalError, match="rank 1 of 2 failed first: killed by signal SIGKILL") as info:
         f.distributed(50)
     assert "gpufleet: injected fault: kill at step 3" in info.value.failures[1].log_tail
+
+
+def _two_steps() -> None:
+    runtime.report_step()
+    runtime.report_step()
+
+
+def test_a_fault_that_did_not_fire_is_told_in_the_ranks_log():
+    handle = distributed(_two_steps, faults=["kill:rank=1:step=5", "exit:rank=0:after=600"], **CPU).submit()
+    handle.result(timeout=120)  # nothing fired: the call succeeds, and the ranks' logs say why
+    deadline = time.monotonic() + 30  # the lines come as each rank exits, after its result
+    logs = {}
+    while time.monotonic() < deadline and not all("never fired" in logs.get(r, "") for r in (0, 1)):
+        time.sleep(0.2)
+        logs = {r: handle.logs(r) for r in (0, 1)}
+    assert "gpufleet: injected fault 'kill:rank=1:step=5' never fired: this rank counted 2 steps" in logs[1]
+    assert "gpufleet: injected fault 'exit:rank=0:after=600' never fired: this rank ended" in logs[0]
+    assert "'kill:rank=1" not in logs[0] and "'exit:rank=0" not in logs[1]  # each rank tells its own

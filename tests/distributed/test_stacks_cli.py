@@ -10,6 +10,7 @@ import pytest
 
 from gpufleet import distributed
 from gpufleet.cli import main
+from gpufleet.errors import RunCanceledError
 
 
 def _waits_in_a_named_function() -> None:
@@ -105,7 +106,7 @@ def test_stacks_reads_only_the_runs_of_this_store(tmp_path: Path, capsys):
         other.kill()
         other.wait()
         handle.cancel()
-    with pytest.raises(Exception):
+    with pytest.raises(RunCanceledError):
         handle.result(30)
     assert main(["stacks", handle.run_id]) == 1
     assert f"run {handle.run_id} is CANCELED: none of its processes runs any more" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -139,6 +140,9 @@ def test_rank_exception_keeps_its_type(two_nodes, tmp_path):
     assert info.value.gpufleet_rank == 1
     assert isinstance(info.value.__cause__, errors.RemoteTraceback)
     assert "_rank_one_raises" in str(info.value.__cause__)
+    log = Path(info.value.gpufleet_error.failures[1].log_path).read_text().splitlines()  # ends with its traceback
+    assert "gpufleet: rank 1 failed with CustomTrainingError; its traceback:" in log
+    assert log[-1].endswith("CustomTrainingError: loss became NaN at step 3")
 
 
 def test_cancel_and_timeout_stop_ranks_and_release_the_placement_group(two_nodes, tmp_path):

@@ -77,3 +77,19 @@ def test_call_secrets_are_checked_and_read_at_launch(monkeypatch: pytest.MonkeyP
         f.distributed()
     with pytest.warns(UserWarning, match="looks like a secret"):
         distributed(_token_call, gpu_type="cpu", gpus=1, env={"WANDB_API_KEY": "x"})
+
+
+def _one() -> int:
+    return 1
+
+
+def test_later_calls_say_where_their_run_is_in_one_short_line(capfd: pytest.CaptureFixture[str]) -> None:
+    f = distributed(_one, gpus=1, gpu_type="cpu", experiment_name=f"test-{uuid.uuid4().hex[:10]}", stream_logs=False)
+    first = f.submit()
+    first.result(timeout=120)
+    second = f.submit()
+    second.result(timeout=120)
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("gpufleet: MLflow run ")]
+    assert len(lines) == 2 and first.mlflow_run_id in lines[0] and "mlflow ui --backend-store-uri" in lines[0]
+    assert lines[1] == f"gpufleet: MLflow run {second.mlflow_run_id} (experiment {f.options.experiment_name}, as above)"
+    assert len(lines[1]) < 100

@@ -36,5 +36,20 @@ def test_a_missing_extra_is_a_warning_with_its_install_command(monkeypatch: pyte
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     real = doctor._version
     monkeypatch.setattr(doctor, "_version", lambda dist: None if dist == "deepspeed" else real(dist))
+    monkeypatch.setattr(doctor, "checkout_root", lambda: None)  # an install from PyPI
     assert main(["doctor"]) == 0
     assert "[warn] extra [deepspeed] not installed (pip install 'gpufleet[deepspeed]')" in capsys.readouterr().out
+
+
+def test_inside_a_checkout_the_install_command_is_the_checkouts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    real = doctor._version
+    monkeypatch.setattr(doctor, "_version", lambda dist: None if dist == "deepspeed" else real(dist))
+    checkout = Path(doctor.__file__).resolve().parents[2]  # these tests run from gpufleet's own source
+    assert doctor.checkout_root() == checkout
+    monkeypatch.chdir(checkout)
+    assert main(["doctor"]) == 0
+    assert "[warn] extra [deepspeed] not installed (pip install -e '.[deepspeed]')" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)  # elsewhere: the checkout's path
+    assert main(["doctor", "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["extras"]["deepspeed"]["hint"] == f"pip install -e '{checkout}[deepspeed]'"

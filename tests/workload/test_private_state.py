@@ -41,6 +41,9 @@ def test_state_folders_and_files_are_private(
     code = tmp_path / "code"
     code.mkdir()
     (code / "train.sh").write_text("echo hello\n")
+    (code / "conf").mkdir()
+    (code / "conf" / "run.sh").write_text("echo run\n")
+    os.chmod(code / "conf" / "run.sh", 0o755)  # an executable of the code folder stays one, for the user
     wl = write_workload(
         code, code_source={"root_path": "."},
         command='umask > "$GPUFLEET_RUN_DIR/umask.txt"; echo made > "$GPUFLEET_CHECKPOINT_DIR/made.txt"; sh train.sh',
@@ -52,13 +55,16 @@ def test_state_folders_and_files_are_private(
     store = RunStore(home)
     run = wait_state(store, run_id)
     run_dir = Path(run.run_dir)
-    folders = [home, home / "workloads", run_dir, run_dir / "code", run_dir / "attempts" / "1", run_dir / "checkpoints"]
+    folders = [home, home / "workloads", run_dir, run_dir / "code", run_dir / "code" / "conf", run_dir / "attempts" / "1",
+               run_dir / "checkpoints"]  # fmt: skip
     assert {str(p): oct(_mode(p)) for p in folders} == {str(p): oct(0o700) for p in folders}
     files = [
         home / "runs.db", run_dir / "supervisor.log", run_dir / "outcome.json", run_dir / "hyperparameters.yaml",
         run_dir / "workload.yaml", run_dir / "attempts" / "1" / "node-0.log", run_dir / "checkpoints" / "made.txt",
+        run_dir / "code" / "train.sh",  # the snapshot, copied by `gpufleet run` (a shell's umask)
     ]  # fmt: skip
     assert {str(p): oct(_mode(p)) for p in files} == {str(p): oct(0o600) for p in files}
+    assert _mode(run_dir / "code" / "conf" / "run.sh") == 0o700
     # the supervisor's umask (077) is what the run's commands start with
     assert (run_dir / "umask.txt").read_text().strip() == "0077"
     db = sqlite3.connect(home / "runs.db")  # while a connection is open, the -wal and -shm files exist

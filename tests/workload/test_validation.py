@@ -292,3 +292,30 @@ def test_fuzzed_overrides_never_raise_anything_else(items: list[str]) -> None:
         validate_document(apply_overrides(base, items))
     except WorkloadValidationError as e:
         assert e.problems
+
+
+def test_validate_lists_disk_problems_with_the_others_and_advises_in_workload_terms(
+    tmp_path: Path, home: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPUFLEET_FAKE_GPUS", "0")  # a machine without GPUs, wherever the test runs
+    gpus = {"accelerator_type": "GPU_2xH100", "num_accelerators": 2}
+    wl = write_workload(tmp_path, experiment_name="bad name", compute=gpus, max_retries=-1,
+                        code_source={"root_path": "missing"})  # fmt: skip
+    rc, out, err = cli(capsys, "validate", "-f", str(wl))
+    assert rc == 2 and "invalid (3 problems)" in err, err
+    assert "experiment_name: 'bad name' is not allowed" in err and "max_retries: must be greater" in err
+    assert f"code_source.root_path: folder {str(tmp_path / 'missing')!r} does not exist" in err
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    wl = write_workload(tmp_path, compute=gpus, code_source={"root_path": ".", "include_paths": ["train.py", "conf"]})
+    rc, out, err = cli(capsys, "validate", "-f", str(wl), "--override", "max_retries=lots")
+    assert rc == 2 and "max_retries: expected an integer" in err and "code_source.include_paths[1]: 'conf' does not exist" in err
+    wl = write_workload(tmp_path, compute=gpus, code_source={"root_path": "."})
+    rc, out, err = cli(capsys, "validate", "-f", str(wl))
+    assert rc == 0, err
+    assert ("no NVIDIA GPU is visible on this machine; to run it on 2 CPU worker(s) set accelerator_type: CPU_2 "
+            "(`--override compute.accelerator_type=CPU_2`)") in out  # fmt: skip
+    assert "gpu_type" not in out  # the decorator's argument means nothing in a workload
+    monkeypatch.setenv("GPUFLEET_FAKE_GPUS", "1")
+    rc, out, err = cli(capsys, "validate", "-f", str(wl))
+    assert rc == 0 and "but this machine has Fake GPU: name the type present in accelerator_type" in out
+    assert "gpu_type" not in out

@@ -149,7 +149,8 @@ def write_progress(path: Path) -> None:
     if _total is not None:
         record["total"] = _total
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # the thread and flush()
-    tmp.write_text(json.dumps(record))
+    with open(tmp, "w", opener=_private) as f:  # 0600, as every file of the run folder
+        f.write(json.dumps(record))
     os.replace(tmp, path)
 
 

@@ -15,6 +15,8 @@ from ..launch.controller import ControllerCallback
 from ..launch.group import WorkerGroup
 from .runs import TrackedRun, caller_active_run, start_tracked_run
 
+#: ``(tracking URI, experiment id)`` whose UI this process has shown in full (later runs there get a short line).
+_TOLD: set[tuple[str, str | None]] = set()
 _MAX_ITEMS = 50  # longer lists/dicts among the arguments are logged as their type only
 
 
@@ -194,11 +196,17 @@ class TrackingCallback(ControllerCallback):
 
     @staticmethod
     def _say_where(tracked: TrackedRun) -> None:
-        """One line on stderr: the run's id and where to see it."""
+        """One line on stderr: the run's id and where to see it; the UI command or address in full
+        only the first time this process opens a run in that store and experiment."""
         from .links import run_line
 
         try:
-            line = run_line(tracked.tracking_uri, str(tracked.run_id), tracked.experiment_id, tracked.experiment_name)
+            where = (str(tracked.tracking_uri), tracked.experiment_id)
+            if where in _TOLD:
+                line = f"MLflow run {tracked.run_id} (experiment {tracked.experiment_name}, as above)"
+            else:
+                line = run_line(tracked.tracking_uri, str(tracked.run_id), tracked.experiment_id, tracked.experiment_name)
+                _TOLD.add(where)
             sys.stderr.write(f"gpufleet: {line}\n")
             sys.stderr.flush()
         except Exception:  # noqa: BLE001 - a closed stream never stops the call

@@ -352,6 +352,13 @@ class TrackedRun:
             MLFLOW_STATUS[final],
             int(time.time() * 1000),
         )
+        self._safely("keep its artifacts private", self._private_artifacts)
+
+    def _private_artifacts(self) -> None:
+        """Its artifacts in gpufleet's default store, the user's alone (see :func:`.store.make_artifacts_private`)."""
+        from .store import make_artifacts_private
+
+        make_artifacts_private(self._client.get_run(self.run_id).info.artifact_uri)
 
     def release(self) -> None:
         """Hand the run over to another process: this one forgets it without ending it (see :func:`attach_tracked_run`)."""

@@ -4,7 +4,8 @@ MLflow creates the tables of a SQLite store on first use, in place. When that is
 full disk, a killed process), the file is left with some tables, MLflow's next attempt to create
 them fails, and tracking stays off for good. Here a new store is built beside its final path and
 renamed into place once complete (under a file lock, so concurrent callers never replace each
-other's store), and a store that lacks tables is moved aside (kept for inspection) and rebuilt.
+other's store), and a store that lacks tables is moved aside (kept for inspection) and rebuilt. A finished
+run's artifacts in it are made the user's alone (:func:`make_artifacts_private`).
 """
 
 from __future__ import annotations
@@ -116,3 +117,44 @@ def ensure_default_store(path: Path, artifact_root: Path) -> None:
     finally:
         os.close(lock)
     _ready.add(key)
+
+
+#: At most this many entries of one run's artifacts are tightened (a run with more keeps the rest
+#: as MLflow wrote them, inside folders that are the user's alone).
+MAX_PRIVATE_ENTRIES = 20_000
+
+
+def make_artifacts_private(artifact_uri: str | None) -> None:
+    """Make a run's artifacts in gpufleet's default store (``$GPUFLEET_HOME/mlartifacts``) the
+    user's alone: folders 0700, files 0600 (0700 when executable). MLflow writes them with the
+    umask of the process that logged them (a caller's, a rank's), 0644 with a shell's default.
+    Artifacts elsewhere (a server, a store of the user's own) are left as they are."""
+    from urllib.parse import unquote, urlsplit
+
+    from ..results import gpufleet_home
+
+    if not artifact_uri or urlsplit(artifact_uri).scheme != "file":
+        return
+    folder = Path(unquote(urlsplit(artifact_uri).path))
+    root = (gpufleet_home() / "mlartifacts").absolute()
+    if root not in folder.parents:
+        return
+    uid = os.getuid()
+
+    def tighten(path: Path, mode: int) -> None:
+        st = os.lstat(path)
+        if st.st_uid == uid and not os.path.islink(path) and (st.st_mode & 0o7777) != mode:
+            os.chmod(path, mode)
+
+    for parent in [p for p in folder.parents if p == root or root in p.parents]:
+        tighten(parent, 0o700)  # the experiment's folder and the run's
+    entries = 0
+    for here, dirs, files in os.walk(folder):
+        tighten(Path(here), 0o700)
+        for name in files:
+            path = Path(here, name)
+            if not os.path.islink(path):
+                tighten(path, os.lstat(path).st_mode & 0o700 | 0o600)
+        entries += len(dirs) + len(files)
+        if entries > MAX_PRIVATE_ENTRIES:
+            return

@@ -494,7 +494,13 @@ def snapshot(
                 os.symlink(e.link, target)
             else:
                 shutil.copy2(real / e.rel, target, follow_symlinks=False)
+                os.chmod(target, stat.S_IMODE(os.stat(target).st_mode) & 0o700)  # the user's alone, +x kept
         except FileNotFoundError:  # deleted since it was listed
             continue
         count += 1
+    for folder, names, _ in os.walk(dest):  # folders that the copies made (mkdir follows the umask)
+        for name in names:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o700)
     return count

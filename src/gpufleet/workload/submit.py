@@ -38,18 +38,55 @@ def code_root(config: WorkloadConfig, workload_path: Path) -> Path | None:
 
 
 def load_and_check(path: str | Path, overrides: list[str] | None = None) -> tuple[WorkloadConfig, Path | None]:
-    """Load, override and validate a workload file, and check its code source on disk."""
+    """Load, override and validate a workload file, and check its code source on disk: every
+    problem at once (the folder and files on disk too, when the rest of the file is wrong)."""
     p = Path(path)
-    config, _ = load_workload(p, overrides)
-    root = code_root(config, p)
+    try:
+        config, _ = load_workload(p, overrides)
+    except WorkloadValidationError as e:
+        if e.document is None:  # not read or not parsed: nothing more can be checked
+            raise
+        raise WorkloadValidationError(e.problems + _disk_problems(_valid_parts(e.document), p), e.source) from None
+    problems = _disk_problems(config, p)
+    if problems:
+        raise WorkloadValidationError(problems, str(p))
+    return config, code_root(config, p)
+
+
+def _valid_parts(doc: Any) -> Any:
+    """The ``code_source`` and ``environment`` of a document that is wrong elsewhere, each as
+    validated, or None where it is wrong itself (its problems are reported already)."""
+    from types import SimpleNamespace
+
+    from pydantic import ValidationError
+
+    from .schema import CodeSourceConfig, EnvironmentConfig
+
+    parts: dict[str, Any] = {"code_source": None, "environment": None}
+    doc = doc if isinstance(doc, dict) else {}
+    for key, model in (("code_source", CodeSourceConfig), ("environment", EnvironmentConfig)):
+        if key in doc and doc[key] is not None:
+            try:
+                parts[key] = model.model_validate(doc[key])
+            except (ValidationError, RecursionError):
+                pass
+        elif key == "environment":
+            parts[key] = EnvironmentConfig()
+    if doc.get("code_source") is not None and parts["code_source"] is None:
+        parts["environment"] = None  # requirement files are read from a code folder not known yet
+    return SimpleNamespace(**parts)
+
+
+def _disk_problems(config: Any, path: Path) -> list[Problem]:
+    """The code folder and requirement files as they are on disk (``config``: a workload, or the
+    parts of one that are valid)."""
+    root = code_root(config, path)
     problems: list[str] = []
     if root is not None:
         problems = check_code_source(root, config.code_source.include_paths if config.code_source else None)
-    if not problems:
+    if not problems and config.environment is not None:
         problems = requirement_file_problems(config, root)
-    if problems:
-        raise WorkloadValidationError([Problem(m.split(": ", 1)[0], m.split(": ", 1)[1]) for m in problems], str(p))
-    return config, root
+    return [Problem(*m.split(": ", 1)) for m in problems]
 
 
 def requirement_files(config: WorkloadConfig) -> list[tuple[int, str]]:
@@ -120,16 +157,32 @@ def local_gpu_problem(config: WorkloadConfig) -> str | None:
     """Why this machine cannot run a single-node GPU workload, or None when it can."""
     from .nodes import needs_cluster
 
-    gpu_type = config.compute.gpu_type
+    c = config.compute
+    gpu_type = c.gpu_type
     if gpu_type is None or needs_cluster(config):
         return None
     from ..errors import GpufleetError
-    from ..launch.gpus import resolve_local
+    from ..launch.gpus import gpu_type_matches, list_gpus
 
     try:
-        resolve_local(config.compute.per_node, gpu_type)
+        found = list_gpus()
     except GpufleetError as e:
         return str(e)
+    asks = f"compute.accelerator_type {c.accelerator_type} asks for {c.per_node} {gpu_type} GPU(s)"
+    elsewhere = "or give compute.cluster to run it on a Ray cluster"
+    if not found:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return (f"{asks}, but no NVIDIA GPU is visible on this machine"
+                + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+                + f"; to run it on {c.per_node} CPU worker(s) set accelerator_type: CPU_{c.per_node} "
+                f"(`--override compute.accelerator_type=CPU_{c.per_node}`), {elsewhere}")  # fmt: skip
+    names = sorted({g.name for g in found})
+    if not all(gpu_type_matches(gpu_type, g.name) for g in found):
+        return (f"{asks}, but this machine has {', '.join(names)}: name the type present in accelerator_type "
+                f"(GPU_{c.per_node}x<TYPE>), {elsewhere}")  # fmt: skip
+    if c.per_node > len(found):
+        return (f"{asks}, but this machine has {len(found)} ({names[0]}): ask for at most {len(found)} "
+                f"(accelerator_type: GPU_{len(found)}x{gpu_type}, num_accelerators: {len(found)}), {elsewhere}")  # fmt: skip
     return None
 
 

@@ -1,7 +1,8 @@
 """Terminal views of runs: the live ``--watch`` stream, run tables, log tails.
 
 On a terminal they use rich (a live status line under the streamed logs, tables); when the
-output is a pipe or a file they print plain lines that scripts can parse.
+output is a pipe or a file they print plain lines that scripts can parse. A little past 400
+lines: one concern, how runs and their logs look on a terminal.
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ from ...errors import GpufleetError
 class WorkloadValidationError(GpufleetError):
     """A workload document is invalid; ``problems`` lists every problem with its field path."""
 
-    def __init__(self, problems: list[Problem], source: str = "workload") -> None:
+    def __init__(self, problems: list[Problem], source: str = "workload", document: Any = None) -> None:
         self.problems = problems
         self.source = source
+        #: The document found invalid (when it was parsed), so that later checks can still read it.
+        self.document = document
         lines = [f"{source} is invalid ({len(problems)} problem{'s' if len(problems) != 1 else ''}):"]
         lines += [f"  - {p}" for p in problems]
         super().__init__("\n".join(lines))

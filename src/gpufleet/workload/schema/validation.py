@@ -111,12 +111,12 @@ def validate_document(doc: Any, source: str = "workload") -> WorkloadConfig:
     try:
         config = WorkloadConfig.model_validate(doc)
     except ValidationError as e:
-        raise WorkloadValidationError(_problems_from(e) + fault_fit_problems(doc), source) from None
+        raise WorkloadValidationError(_problems_from(e) + fault_fit_problems(doc), source, doc) from None
     except RecursionError:
         raise WorkloadValidationError([Problem("", "the document is nested too deeply")], source) from None
     problems = fault_fit_problems(doc)
     if problems:
-        raise WorkloadValidationError(problems, source)
+        raise WorkloadValidationError(problems, source, doc)
     return config
 
 
