@@ -10,7 +10,7 @@ PYTHON=${PYTHON:-python3}
 build_recipe_envs() {  # each environment's output in LOGS/NAME.log, its exit status in LOGS/NAME.rc
   for env_name in $(ls recipes/envs 2>/dev/null | sed -n 's/\.txt$//p'); do
     local status=0
-    scripts/recipe_env.sh "$env_name" >"$1/$env_name.log" 2>&1 || status=$?
+    nice -n 10 scripts/recipe_env.sh "$env_name" >"$1/$env_name.log" 2>&1 || status=$?  # the tests first
     echo "$status" >"$1/$env_name.rc"
   done
 }
