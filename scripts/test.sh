@@ -28,8 +28,5 @@ if [ -x scripts/recipe_env.sh ] && [ "${GPUFLEET_SKIP_RECIPE_ENVS:-0}" != "1" ];
 fi
 status=0
 .venv/bin/python -m pytest "$@" || status=$?
-if [ -n "$builder" ]; then
-  wait "$builder" || true
-  tail -qn1 "$build_logs"/*.log  # each environment: built in how long, or up to date
-fi
+[ -z "$builder" ] || wait "$builder" || true  # pytest's summary stays the last line printed
 exit "$status"
