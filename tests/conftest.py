@@ -18,9 +18,6 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ.setdefault("MLFLOW_TRACKING_URI", "sqlite:///" + os.path.join(os.environ["GPUFLEET_HOME"], "mlflow-test.db"))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # DeepSpeed compiles an op at its first start (torch's JIT extensions, behind a lock file): a
-    # compile killed in another session leaves that lock, and every later start waits on it forever
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.environ["GPUFLEET_HOME"], "torch-extensions"))
 
 
 def _recipe_env(item: pytest.Item) -> str | None:
