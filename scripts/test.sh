@@ -12,7 +12,7 @@ scripts/setup_browser.sh  # Chromium for the live panel's browser test (root and
 build_recipe_envs() {  # each environment's output in LOGS/NAME.log, its exit status in LOGS/NAME.rc
   for env_name in $(ls recipes/envs 2>/dev/null | sed -n 's/\.txt$//p'); do
     local status=0
-    scripts/recipe_env.sh "$env_name" >"$1/$env_name.log" 2>&1 || status=$?
+    nice -n 10 scripts/recipe_env.sh "$env_name" >"$1/$env_name.log" 2>&1 || status=$?  # the tests first
     echo "$status" >"$1/$env_name.rc"
   done
 }
@@ -31,8 +31,5 @@ fi
 [ -x scripts/slurm_local.sh ] && scripts/slurm_local.sh ensure  # Slurm's packages for tests/slurm (root + apt only)
 status=0
 .venv/bin/python -m pytest "$@" || status=$?
-if [ -n "$builder" ]; then
-  wait "$builder" || true
-  tail -qn1 "$build_logs"/*.log  # each environment: built in how long, or up to date
-fi
+[ -z "$builder" ] || wait "$builder" || true  # pytest's summary stays the last line printed
 exit "$status"

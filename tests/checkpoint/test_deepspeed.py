@@ -16,9 +16,10 @@ pytest.importorskip("deepspeed")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # three launches, the first one compiling
 def test_deepspeed_engine_saves_resumes_and_exports(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    run = distributed(gpus=2, gpu_type="cpu", timeout=300, tracking=False)(train_deepspeed)
+    run = distributed(gpus=2, gpu_type="cpu", timeout=600, tracking=False)(train_deepspeed)  # the first start compiles an op
 
     first = run.distributed(str(ckpt), 2, 4)
     [info] = list_checkpoints(ckpt)
@@ -37,9 +38,10 @@ def test_deepspeed_engine_saves_resumes_and_exports(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # three launches, the first one compiling
 def test_deepspeed_resume_skips_a_checkpoint_with_a_missing_zero_partition(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    run = distributed(gpus=2, gpu_type="cpu", timeout=300, tracking=False)(train_deepspeed)
+    run = distributed(gpus=2, gpu_type="cpu", timeout=600, tracking=False)(train_deepspeed)  # the first start compiles an op
 
     first = run.distributed(str(ckpt), 2, 4)  # saves step 2
     run.distributed(str(ckpt), 4, 4)  # resumes from 2, saves step 4

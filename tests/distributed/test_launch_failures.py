@@ -310,7 +310,7 @@ except KeyboardInterrupt:
 """
 
 
-def _wait_for_children(pid: int, n: int, timeout: float = 30.0) -> None:
+def _wait_for_children(pid: int, n: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         from tests.proc import processes_with_env

@@ -117,7 +117,7 @@ def test_idle_ranks_stop_after_keep_warm():
 
     f = distributed(_all_reduce_and_pid, keep_warm=1, **CPU)
     first = pids(f.distributed(1))
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60  # keep_warm=1, then the ranks exit
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in first):
         assert time.monotonic() < deadline, "idle warm ranks did not stop"
         time.sleep(0.2)

@@ -80,7 +80,7 @@ def run_notebook(
 ) -> Any:
     """Execute ``recipes/<notebook>`` with SMOKE=1 and return its ``results.json``.
 
-    ``timeout`` is per cell; the whole run gets 30 s more, still inside pytest's 300 s, so a hang
+    ``timeout`` is per cell; the whole run gets 30 s more, still inside pytest's 600 s, so a hang
     fails with the notebook's own output (and a notebook given ``TIMEOUT`` stops its ranks first,
     with their stacks).
     """

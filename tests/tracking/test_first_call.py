@@ -27,7 +27,7 @@ def test_a_new_sqlite_store_of_the_users_is_created_without_migration_lines(tmp_
         env["GPUFLEET_HOME"] = str(tmp_path / "home")
         if uri:
             env["MLFLOW_TRACKING_URI"] = uri
-        done = subprocess.run([sys.executable, "-c", CALL], capture_output=True, text=True, env=env, timeout=120)
+        done = subprocess.run([sys.executable, "-c", CALL], capture_output=True, text=True, env=env, timeout=300)
         assert done.returncode == 0 and done.stdout.strip() == "[1]", done.stderr
         for noise in ("Creating initial MLflow database tables", "Updating database tables", "alembic"):
             assert noise not in done.stderr, done.stderr

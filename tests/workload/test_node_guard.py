@@ -28,7 +28,7 @@ ACTOR = textwrap.dedent(
 )
 
 
-def _pid_from(marker: Path, timeout: float = 20.0) -> int:
+def _pid_from(marker: Path, timeout: float = 60.0) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if marker.exists() and marker.read_text().strip():
