@@ -9,6 +9,9 @@ pays one check of a module global per step.
 
 Spec strings (the CLI form) are ``ACTION[:key=value...]``, e.g. ``kill:rank=1:step=30``,
 ``hang:rank=0:after=20``, ``exit:rank=1:step=5:code=3``, ``slow:rank=1:factor=3``.
+
+One concern, a little past 400 lines: a rehearsed fault from its spec (parsing and the checks
+that refuse one that can never fire) to its firing inside the rank.
 """
 
 from __future__ import annotations
