@@ -140,6 +140,18 @@ def test_a_busy_rank_is_no_fast_hang_but_named_once_and_judged_at_hang_timeout(c
     assert "(busy)" in verdict.found.missing[1] and "hang_timeout=30 s" in verdict.found.summary[0]
 
 
+def test_every_rank_busy_is_not_told_as_others_waiting(caplog):
+    # one rank on one GPU, busy after its last collective: nobody waits for it
+    from types import SimpleNamespace
+
+    run = Run(SETTINGS)
+    found = SimpleNamespace(busy={0: "/home/me/train.py:9 in train"}, summary=[])
+    with caplog.at_level(logging.WARNING, logger="gpufleet.launch.watchdog"):
+        run.dog._tell(SimpleNamespace(run_id="run-1"), found, 25.0, 600.0, num_ranks=1)
+    assert run.dog.note.startswith("nothing moved for 25 s: busy in its own code: rank 0 at /home/me/train.py:9")
+    assert "while the others wait" not in caplog.records[0].getMessage()
+
+
 def test_the_note_names_the_busy_rank_while_it_lasts_and_goes_once_it_moves():
     run = Run(SETTINGS, busy={1})
     run.steps(6)

@@ -203,7 +203,7 @@ class Watchdog:
                 found = self._diagnose(group, status, num_ranks, finished, stall, now, limit, resample=False)
             return Verdict(stall, stall < long_s, found)
         self._next_look = now + self.settings.recheck_s
-        self._tell(group, found, stall, long_s)
+        self._tell(group, found, stall, long_s, num_ranks)
         return None
 
     def _diagnose(self, group: Any, status: Any, num_ranks: int, finished: frozenset[int], stall: float,
@@ -228,11 +228,12 @@ class Watchdog:
             timer.start()
         return bool(stopped)
 
-    def _tell(self, group: Any, found: Diagnosis, stall: float, long_s: float) -> None:
+    def _tell(self, group: Any, found: Diagnosis, stall: float, long_s: float, num_ranks: int) -> None:
         """Say once per finding why a stall is not called a hang yet (a busy rank and its line)."""
         if found.busy:
             who = "; ".join(f"rank {r} at {where or '(no stack)'}" for r, where in sorted(found.busy.items()))
-            self.note = (f"nothing moved for {stall:.0f} s: busy in its own code while the others wait: {who}; "
+            others = " while the others wait" if len(found.busy) < num_ranks else ""  # nobody waits when all are busy
+            self.note = (f"nothing moved for {stall:.0f} s: busy in its own code{others}: {who}; "
                          f"not called a hang before hang_timeout={long_s:g} s")  # fmt: skip
         else:
             self.note = (f"nothing moved for {stall:.0f} s: {found.summary[1] if len(found.summary) > 1 else ''}; "
