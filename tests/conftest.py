@@ -8,7 +8,13 @@ import tempfile
 
 import pytest
 
-from tests.proc import leftover_worker_processes
+from tests.proc import describe, leftover_worker_processes
+
+# Loopback only: every Ray node the suite starts (its two-node cluster, a recipe's local Ray, a
+# `ray start`) registers and serves on 127.0.0.1, not the machine's network address. Set when this
+# file is imported: Ray reads it when it is imported, and pytest imports the conftest files of the
+# paths it is given (tests/ray/conftest.py imports ray) before any pytest_configure runs.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -18,6 +24,10 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ.setdefault("MLFLOW_TRACKING_URI", "sqlite:///" + os.path.join(os.environ["GPUFLEET_HOME"], "mlflow-test.db"))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # torch's JIT extensions (DeepSpeed's shared-memory op) build in the session's own folder, shared
+    # by its tests and their subprocesses: built once per session, as on a new machine, and never
+    # stalled by a lock that a build killed in another session left in ~/.cache/torch_extensions
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", tempfile.mkdtemp(prefix="gpufleet-test-torch-ext-"))
 
 
 def _recipe_env(item: pytest.Item) -> str | None:
@@ -49,9 +59,10 @@ def no_leftover_processes():
     yield
     left = leftover_worker_processes(wait_s=10.0)
     if left:
+        named = [describe(p) for p in left]  # before the kill: a killed process is a zombie without a command line
         for p in left:
             try:
                 p.kill()
             except Exception:
                 pass
-        pytest.fail(f"processes left running after the test: {[(p.pid, p.cmdline()) for p in left]}")
+        pytest.fail("processes left running after the test:\n  " + "\n  ".join(named))

@@ -31,6 +31,31 @@ def processes_with_env(key: str, value: str) -> list[psutil.Process]:
     return found
 
 
+def describe(p: psutil.Process) -> str:
+    """``PID (state) command line`` of a process, whatever it has become since it was found: a
+    zombie has no command line (its name is shown), a vanished one nothing but its pid."""
+    try:
+        status = p.status()
+    except psutil.NoSuchProcess:
+        return f"{p.pid} (gone)"
+    except psutil.Error:
+        status = "?"
+    try:
+        args = " ".join(p.cmdline())
+    except psutil.ZombieProcess:
+        args = ""
+    except psutil.NoSuchProcess:
+        return f"{p.pid} (gone)"
+    except psutil.Error:
+        args = ""
+    if not args:
+        try:
+            args = f"[{p.name()}]"
+        except psutil.Error:
+            args = "[?]"
+    return f"{p.pid} ({status}) {args}"
+
+
 def run_processes(run_id: str) -> list[psutil.Process]:
     """Every live process of a run (ranks and whatever they started)."""
     return processes_with_env("GPUFLEET_RUN_ID", run_id)

@@ -75,15 +75,20 @@ def main() -> None:
 
     p = load_parameters()
     cuda = torch.cuda.is_available()
+    if not cuda:
+        # Accelerate names a CPU worker's device `cpu:0`, and the Trainer reads a checkpoint's
+        # optimizer state to that device on resume, which torch refuses ("don't know how to restore
+        # data location ... (tagged with cpu:0)"): plain `cpu`, Accelerate's own override
+        os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
     tokenizer = AutoTokenizer.from_pretrained(p["model"])
     model = AutoModelForCausalLM.from_pretrained(p["model"], dtype=torch.bfloat16 if cuda else torch.float32)
     dataset = load_dataset("json", data_files=p["train_file"], split="train")
     output_dir = p.get("output_dir") or os.path.join(os.environ.get("GPUFLEET_CHECKPOINT_DIR", "."), "sft")
     args = sft_config(p, output_dir, list(model._no_split_modules), cuda)
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
-    resume = any(Path(output_dir).glob("checkpoint-*"))  # a retried attempt continues its run
+    resume = latest_checkpoint(output_dir)  # a retried attempt (or a longer run) continues from it
     started = time.perf_counter()
-    result = trainer.train(resume_from_checkpoint=resume or None)
+    result = trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(output_dir)
     if trainer.is_world_process_zero():
         tokens = next((h["num_tokens"] for h in reversed(trainer.state.log_history) if "num_tokens" in h), 0)
@@ -92,9 +97,26 @@ def main() -> None:
             "wrapper": type(trainer.model_wrapped).__name__, "seconds": round(time.perf_counter() - started, 2),
             "tokens_per_second": round(tokens / max(result.metrics["train_runtime"], 1e-9), 1),
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+            "resumed_from": Path(resume).name if resume else None,
         }
         print("RESULT " + json.dumps(summary))
         Path(output_dir, "result.json").write_text(json.dumps(summary))
+    end_process_group()
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The Trainer's newest ``checkpoint-<step>`` folder in ``output_dir`` (None: none yet)."""
+    steps = [(int(c.name.split("-")[1]), c) for c in Path(output_dir).glob("checkpoint-*") if c.name.split("-")[1].isdigit()]
+    return str(max(steps)[1]) if steps else None
+
+
+def end_process_group() -> None:
+    """End the process group the Trainer started: left to Python's exit, a gloo group can abort
+    the rank after a successful run (SIGABRT, "terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

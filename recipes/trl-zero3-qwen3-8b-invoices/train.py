@@ -87,6 +87,8 @@ def main() -> None:
         }
         print("RESULT " + json.dumps(summary))
         Path(output_dir, "result.json").write_text(json.dumps(summary))
+    if torch.distributed.is_initialized():  # left to Python's exit, a gloo group can abort the rank
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

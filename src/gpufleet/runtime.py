@@ -7,7 +7,9 @@ This is the one module that reads the torchrun rendezvous environment (``RANK``,
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from typing import Any
 
 __all__ = [
@@ -143,7 +145,34 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> Any:
     else:
         kwargs.pop("device_id", None)
         dist.init_process_group(**kwargs, store=dist.HashStore(), rank=0, world_size=1)
+    _end_gloo_group_at_exit()
     return dev
+
+
+_end_registered = False
+
+
+def _end_gloo_group_at_exit() -> None:
+    """End the group :func:`setup` started when the rank's Python exits, if the rank's code did not.
+
+    A gloo group left to the interpreter's teardown can abort a rank that trained and returned
+    (SIGABRT, "terminate called without an active exception": gloo's threads are still alive while
+    Python tears down), and torchrun then fails the attempt. An NCCL group is left alone: its own
+    destructor aborts its communicators, where ending it here could wait on a lost peer.
+    """
+    global _end_registered
+    if not _end_registered:
+        atexit.register(_end_gloo_group)
+        _end_registered = True
+
+
+def _end_gloo_group() -> None:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized() and "nccl" not in str(dist.get_backend()):
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the rank is ending; nothing to add to how it ends
+        pass
 
 
 def barrier() -> None:

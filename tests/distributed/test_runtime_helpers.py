@@ -58,3 +58,35 @@ def test_setup_outside_a_launch_is_a_one_rank_group_and_barrier_a_no_op():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["cpu", "1", "0", "3.0"]
+
+
+def test_a_torchrun_rank_that_never_ends_its_group_has_it_ended_at_exit(tmp_path):
+    # A gloo group left to Python's teardown can abort a rank after its work (SIGABRT, "terminate
+    # called without an active exception"), failing the attempt. The exit handler that runs last
+    # (registered first) sees whether setup()'s own handler ended the group before it.
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(
+        """
+        import atexit, os, sys
+        import torch, torch.distributed as dist
+        from gpufleet import runtime
+
+        def report():  # registered before setup(): runs after setup()'s handler
+            with open(os.path.join(sys.argv[1], f"rank-{os.environ['RANK']}.txt"), "w") as f:
+                f.write("still up" if dist.is_initialized() else "ended")
+
+        atexit.register(report)
+        runtime.setup()
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == 2.0
+        # no destroy_process_group(): the rank just returns
+        """
+    ))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+         "--master_port=0", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(script), str(tmp_path)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [(tmp_path / f"rank-{r}.txt").read_text() for r in (0, 1)] == ["ended", "ended"]

@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
+import psutil
 import pytest
 
 
@@ -30,6 +31,7 @@ NODE_ARGS = {
     "object_store_memory": 100 * 1024 * 1024,
     "min_worker_port": 0,
     "max_worker_port": 0,
+    "node_ip_address": "127.0.0.1",  # the suite's traffic stays on loopback (Ray would register the network address)
 }
 
 
@@ -37,20 +39,29 @@ class TwoNodeCluster:
     """A head node and one worker node, each with one CPU and a marker resource."""
 
     def __init__(self) -> None:
+        from ray._private.utils import get_ray_address_file
         from ray.cluster_utils import Cluster
 
         self.temp_dir = tempfile.mkdtemp(prefix="gf-ray-")  # short: raylet socket paths
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                **NODE_ARGS,
-                "include_dashboard": False,
-                "temp_dir": self.temp_dir,
-                "resources": {"node0": 1},
-            },
-        )
-        self.worker = self.cluster.add_node(**NODE_ARGS, resources={"node1": 1})
-        self.cluster.wait_for_nodes()
+        # Ray notes the head's address in its default folder (/tmp/ray/ray_current_cluster) whatever
+        # temp_dir says, and fails when that folder does not exist yet (a machine that never ran Ray)
+        os.makedirs(os.path.dirname(get_ray_address_file(None)), exist_ok=True)
+        self.cluster = None
+        try:
+            self.cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    **NODE_ARGS,
+                    "include_dashboard": False,
+                    "temp_dir": self.temp_dir,
+                    "resources": {"node0": 1},
+                },
+            )
+            self.worker = self.cluster.add_node(**NODE_ARGS, resources={"node1": 1})
+            self.cluster.wait_for_nodes()
+        except BaseException:
+            self.shutdown()  # a half-started cluster is stopped, not left to load every later test
+            raise
 
     @property
     def address(self) -> str:
@@ -59,8 +70,26 @@ class TwoNodeCluster:
     def shutdown(self) -> None:
         if ray.is_initialized():
             ray.shutdown()
-        self.cluster.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+        for p in cluster_processes(self.temp_dir):  # a node whose start failed is not in the cluster
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def cluster_processes(temp_dir: str) -> list[psutil.Process]:
+    """The processes of a test cluster: every one of them names its session folder."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if any(temp_dir in arg for arg in p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
 
 
 @pytest.fixture(scope="module")

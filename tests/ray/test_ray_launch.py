@@ -56,6 +56,7 @@ def _train_two_workers(storage: str) -> dict[str, object]:
         "metrics": result.metrics,
         "checkpoint_files": os.listdir(result.checkpoint.path),
         "cpus": ray.cluster_resources().get("CPU"),
+        "addresses": sorted({n["NodeManagerAddress"] for n in ray.nodes()}),
     }
 
 
@@ -72,7 +73,8 @@ def _fails_inside() -> None:
         raise LookupError(f"the Ray task failed: {e.cause!r}") from None
 
 
-def test_ray_train_job_runs_inside(tmp_path):
+def test_ray_train_job_runs_inside(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)  # the suite's own loopback setting: off
     f = ray_launch(
         _train_two_workers, gpus=2, gpu_type="cpu", runs_dir=str(tmp_path / "runs"),
         ray_start_args=START_ARGS, timeout=240,
@@ -80,6 +82,7 @@ def test_ray_train_job_runs_inside(tmp_path):
     results = f.distributed(str(tmp_path / "ray_results"))
     assert len(results) == 2 and results[1] is None
     assert results[0]["cpus"] == 2.0
+    assert results[0]["addresses"] == ["127.0.0.1"]  # the head registered loopback, not the network address
     metrics = results[0]["metrics"]
     assert metrics["world"] == 2 and metrics["loss"] > 0
     assert results[0]["checkpoint_files"] == ["model.pt"]

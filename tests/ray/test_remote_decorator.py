@@ -11,7 +11,7 @@ import pytest
 
 from gpufleet import distributed, errors
 from tests.proc import run_processes
-from tests.ray.conftest import sleepers_then_lose_the_worker_node
+from tests.ray.conftest import cluster_processes, sleepers_then_lose_the_worker_node
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -34,6 +34,7 @@ def _all_reduce_and_where() -> dict[str, object]:
         "local_world": runtime.get_local_world_size(),
         "num_nodes": int(os.environ["NUM_NODES"]),
         "node_id": os.environ["GPUFLEET_RAY_NODE_ID"],
+        "master_addr": os.environ["MASTER_ADDR"],
         "sum": t.item(),
     }
 
@@ -70,6 +71,7 @@ def test_two_nodes_one_worker_each(two_nodes, tmp_path):
     assert {r["node_rank"] for r in results} == {0, 1}
     assert all(r["local_rank"] == 0 and r["local_world"] == 1 for r in results)
     assert results[0]["node_id"] != results[1]["node_id"]
+    assert {r["master_addr"] for r in results} == {"127.0.0.1"}  # the rendezvous stays on loopback
     assert "hello from rank 1" in handle.logs(1)
     assert handle.status == "SUCCESS"
 
@@ -188,3 +190,21 @@ def test_lost_node_fails_clearly_and_leaves_nothing(two_nodes, tmp_path):
     while run_processes(handle.run_id):
         assert time.monotonic() < deadline, [p.cmdline() for p in run_processes(handle.run_id)]
         time.sleep(0.5)
+
+
+def test_the_suites_ray_nodes_register_and_listen_on_loopback_only(two_nodes):
+    """No Ray node of the suite registers (or serves on) the machine's network address."""
+    import psutil
+
+    from gpufleet.launch.ray_connect import connect
+
+    registered = {n["NodeManagerAddress"] for n in connect(two_nodes.address).nodes()}  # the calls' connection
+    assert registered == {"127.0.0.1"}, registered
+    listening = {}
+    for p in cluster_processes(two_nodes.temp_dir):
+        try:
+            listening[f"{p.pid} {p.name()}"] = [c.laddr.ip for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            pass  # ended since it was found
+    assert any(listening.values()), listening  # the GCS and both raylets were found
+    assert all(ip.removeprefix("::ffff:").startswith("127.") for ips in listening.values() for ip in ips), listening

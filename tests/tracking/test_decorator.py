@@ -129,7 +129,12 @@ def test_two_calls_at_once_one_canceled_each_recorded(client: MlflowClient) -> N
 
     exp = _experiment()
     f = distributed(nap, experiment_name=exp, grace_period_s=0.5, **CPU)
-    slow, quick = f.submit(60), f.submit(0.5)
+    slow, quick = f.submit(600), f.submit(0.5)  # slow ends only when canceled, however long quick takes
+    # each call's MLflow run opens while its ranks start (the call never waits for it): wait for both
+    deadline = time.monotonic() + 120
+    while slow.mlflow_run_id is None or quick.mlflow_run_id is None:
+        assert time.monotonic() < deadline, "the calls' MLflow runs did not open"
+        time.sleep(0.1)
     assert slow.mlflow_run_id != quick.mlflow_run_id
     assert quick.result(timeout=120) == ["done", "done"]
     slow.cancel()

@@ -38,6 +38,9 @@ __all__ = ["ray_launch", "RayDriverEntry"]
 _HEAD_START_TIMEOUT_S = 120.0
 _HEAD_STOP_TIMEOUT_S = 30.0
 _STARTED_MESSAGE = b"Ray runtime started"
+_LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+#: "0": Ray resolves this node's address (and a loopback address to connect to) as 127.0.0.1.
+_RAY_ONE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def _ray_command() -> list[str]:
@@ -125,9 +128,10 @@ class RayDriverEntry:
             "--include-dashboard=false",
             "--disable-usage-stats",
         ]
+        # The node registers MASTER_ADDR, a loopback one as 127.0.0.1: left to itself Ray registers
+        # the machine's network address, and a one-machine run would serve on it.
         addr = runtime.get_master_addr()
-        if addr not in ("127.0.0.1", "localhost", "::1"):
-            cmd.append(f"--node-ip-address={addr}")
+        cmd.append(f"--node-ip-address={'127.0.0.1' if addr in _LOOPBACK_NAMES else addr}")
         return cmd + self._ray_start_args
 
     def _drive(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -225,8 +229,10 @@ def ray_launch(
             env = {**dict(options.pop("env", {}) or {}), "RAY_ADDRESS": str(address), "GPUFLEET_RAY_REMOTE": "1",
                    "GPUFLEET_LOOPBACK_STORE": "0"}  # fmt: skip
             return distributed(entry, gpus=1, gpu_type="cpu", remote=False, timeout=timeout, env=env, **options)
-        # the Ray head's GCS listens on MASTER_PORT: no rendezvous store of gpufleet's there
-        env = {**dict(options.pop("env", {}) or {}), "GPUFLEET_LOOPBACK_STORE": "0"}
+        # the Ray head's GCS listens on MASTER_PORT: no rendezvous store of gpufleet's there. The
+        # cluster is this machine's alone: Ray (whose default registers the machine's network
+        # address, even for a node started on 127.0.0.1) keeps it on loopback.
+        env = {**dict(options.pop("env", {}) or {}), "GPUFLEET_LOOPBACK_STORE": "0", _RAY_ONE_MACHINE: "0"}
         return distributed(entry, gpus=gpus, gpu_type=gpu_type, remote=False, timeout=timeout, env=env, **options)
 
     if func is not None:
