@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 . scripts/pip_install.sh  # CPU builds of torch without an NVIDIA GPU; says which build it took
+phase_start=$SECONDS
+phase() { echo "test.sh: $1 took $(( SECONDS - phase_start )) s"; phase_start=$SECONDS; }
 pip_install .venv/bin/python .venv/test-install.log -e ".[all,test]"
 scripts/setup_browser.sh  # Chromium for the live panel's browser test (root and apt only; else it skips)
 build_recipe_envs() {  # each environment's output in LOGS/NAME.log, its exit status in LOGS/NAME.rc
@@ -29,7 +31,34 @@ if [ -x scripts/recipe_env.sh ] && [ "${GPUFLEET_SKIP_RECIPE_ENVS:-0}" != "1" ];
   export GPUFLEET_RECIPE_ENVS=1 GPUFLEET_RECIPE_ENV_LOGS="$build_logs"
 fi
 [ -x scripts/slurm_local.sh ] && scripts/slurm_local.sh ensure  # Slurm's packages for tests/slurm (root + apt only)
+phase "installing, and the browser's and Slurm's packages"
+# Two phases. First every test but those of a machine-wide cluster, on pytest-xdist workers, one
+# per core up to 2 (GPUFLEET_TEST_WORKERS=N for N, 0 for one process), each with a GPUFLEET_HOME of
+# its own; `--dist loadgroup` keeps each module on one worker (tests/conftest.py). Then the tests
+# of Ray's and Slurm's clusters (marker `cluster`), in one process with the machine to themselves:
+# a Ray node whose agent does not start within Ray's fixed 15 s is lost on a busy machine.
+# A `-m` of the caller's runs one pytest with it.
+cores=$(nproc 2>/dev/null || echo 1)
+workers=${GPUFLEET_TEST_WORKERS:-$(( cores < 2 ? 0 : 2 ))}
+case $workers in ''|*[!0-9]*) echo "test.sh: GPUFLEET_TEST_WORKERS=$workers is not a number of workers (e.g. 2, or 0 for one process)" >&2; exit 2 ;; esac
+xdist=()
+[ "$workers" -gt 0 ] && xdist=(-n "$workers" --dist loadgroup)
+own_marks=0
+for arg in "$@"; do case $arg in -m|-m*) own_marks=1 ;; esac; done
 status=0
-.venv/bin/python -m pytest "$@" || status=$?
+if [ "$own_marks" = 1 ]; then
+  .venv/bin/python -m pytest "${xdist[@]}" "$@" || status=$?
+else
+  first=0 second=0
+  .venv/bin/python -m pytest "${xdist[@]}" -m "not cluster" "$@" || first=$?
+  phase "pytest, all but the clusters' tests"
+  .venv/bin/python -m pytest -m cluster "$@" || second=$?
+  phase "pytest, the clusters' tests (Ray, Slurm)"
+  # 5: that phase had no test to run (a path without cluster tests, or only those)
+  if [ "$first" = 5 ] && [ "$second" = 5 ]; then status=5
+  elif [ "$first" != 0 ] && [ "$first" != 5 ]; then status=$first
+  elif [ "$second" != 0 ] && [ "$second" != 5 ]; then status=$second
+  fi
+fi
 [ -z "$builder" ] || wait "$builder" || true  # pytest's summary stays the last line printed
 exit "$status"

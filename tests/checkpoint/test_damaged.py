@@ -16,7 +16,7 @@ import torch
 from gpufleet import distributed
 from gpufleet.checkpoint import CheckpointError, CheckpointManager, SkippedCheckpoint
 from gpufleet.checkpoint.integrity import describe, merge_reasons
-from tests.checkpoint.training import resume_and_report, save_at_steps
+from tests.checkpoint.training import resume_and_report, resume_each_and_report, save_at_steps
 from tests.proc import leftover_worker_processes
 
 # -- damage -------------------------------------------------------------------------------
@@ -225,6 +225,7 @@ def test_reasons_of_the_ranks_are_merged() -> None:
 on_2 = distributed(gpus=2, gpu_type="cpu", timeout=240, tracking=False)
 save_on_2 = on_2(save_at_steps)
 resume_on_2 = on_2(resume_and_report)
+resume_each_on_2 = on_2(resume_each_and_report)
 
 
 @pytest.fixture(scope="module")
@@ -257,34 +258,38 @@ DAMAGES_ON_2: dict[str, tuple[Callable[[Path], None], str]] = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", list(DAMAGES_ON_2))
 def test_on_2_ranks_resume_skips_a_damaged_step_20_and_lands_on_step_10(
-    tmp_path: Path, saved_10_and_20: tuple[Path, list[dict]], damage: str
+    tmp_path: Path, saved_10_and_20: tuple[Path, list[dict]]
 ) -> None:
+    """Each damage of DAMAGES_ON_2 in its own copy of the checkpoints, all resumed in one launch."""
     pristine, saved = saved_10_and_20
-    root = _copy(pristine, tmp_path)
-    apply, reason = DAMAGES_ON_2[damage]
-    apply(root / "step-20")
+    roots = []
+    for damage, (apply, _) in DAMAGES_ON_2.items():
+        root = _copy(pristine, tmp_path / damage)
+        apply(root / "step-20")
+        roots.append(str(root))
 
-    after = resume_on_2.distributed(str(root))
-    assert [r["resumed"] for r in after] == [10, 10]
-    for rank in range(2):
-        [(step, name, why)] = after[rank]["skipped"]
-        assert (step, name) == (20, "step-20") and why.startswith(reason), why
-        assert why == after[0]["skipped"][0][2]  # the same reason on every rank
-        expected = saved[rank][10]
-        for key, value in expected["params"].items():
-            got = after[rank]["params"][key]
-            assert got.dtype == value.dtype and torch.equal(got, value), (rank, key)
-        assert after[rank]["optim"].keys() == expected["optim"].keys()
-        for key, state in expected["optim"].items():
-            for part, value in state.items():
-                assert torch.equal(after[rank]["optim"][key][part], value), (rank, key, part)
-        assert after[rank]["lr"] == expected["lr"]
-        assert torch.equal(after[rank]["rng"], expected["rng"]), f"rank {rank}: RNG state not step 10's"
-    [warning] = after[0]["warnings"]  # logged once, by rank 0
-    assert "step-20" in warning and after[0]["skipped"][0][2] in warning
-    assert after[1]["warnings"] == []
+    reports = resume_each_on_2.distributed(roots)  # per rank: one report per damaged copy
+    for i, (damage, (_, reason)) in enumerate(DAMAGES_ON_2.items()):
+        after = [reports[rank][i] for rank in range(2)]
+        assert [r["resumed"] for r in after] == [10, 10], damage
+        for rank in range(2):
+            [(step, name, why)] = after[rank]["skipped"]
+            assert (step, name) == (20, "step-20") and why.startswith(reason), (damage, why)
+            assert why == after[0]["skipped"][0][2], damage  # the same reason on every rank
+            expected = saved[rank][10]
+            for key, value in expected["params"].items():
+                got = after[rank]["params"][key]
+                assert got.dtype == value.dtype and torch.equal(got, value), (damage, rank, key)
+            assert after[rank]["optim"].keys() == expected["optim"].keys(), damage
+            for key, state in expected["optim"].items():
+                for part, value in state.items():
+                    assert torch.equal(after[rank]["optim"][key][part], value), (damage, rank, key, part)
+            assert after[rank]["lr"] == expected["lr"], damage
+            assert torch.equal(after[rank]["rng"], expected["rng"]), f"{damage}: rank {rank}: RNG state not step 10's"
+        [warning] = after[0]["warnings"]  # logged once, by rank 0
+        assert "step-20" in warning and after[0]["skipped"][0][2] in warning, damage
+        assert after[1]["warnings"] == [], damage
     assert not leftover_worker_processes(wait_s=10.0)
 
 

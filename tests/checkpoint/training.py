@@ -158,6 +158,10 @@ def train(
             if kill:
                 if record_dir:
                     Path(record_dir, f"{tag}-rank{rank}.json").write_text(json.dumps(records))
+                # Every rank has its records written, and rank 0 the checkpoint's completion marker,
+                # before any rank dies: the launcher stops the survivors about 1 s after the first
+                # death, which a loaded machine could otherwise hit before rank 0 is done.
+                dist.barrier()
                 os.kill(os.getpid(), signal.SIGKILL)
             break
     manager.close()
@@ -317,13 +321,25 @@ def save_at_steps(ckpt_dir: str, steps: list[int], strategy: str = "ddp") -> dic
 def resume_and_report(ckpt_dir: str, strategy: str = "ddp") -> dict[str, Any]:
     """Resume into freshly built objects; every rank returns the step, the checkpoints skipped,
     the checkpoint warnings it logged and the full state it loaded."""
+    from gpufleet import runtime
+
+    runtime.setup()
+    return _resume_into_fresh_objects(ckpt_dir, strategy)
+
+
+def resume_each_and_report(ckpt_dirs: list[str], strategy: str = "ddp") -> list[dict[str, Any]]:
+    """:func:`resume_and_report` for each folder in turn, in one launch (one report per folder)."""
+    from gpufleet import runtime
+
+    runtime.setup()
+    return [_resume_into_fresh_objects(d, strategy) for d in ckpt_dirs]
+
+
+def _resume_into_fresh_objects(ckpt_dir: str, strategy: str) -> dict[str, Any]:
     import logging
 
     import torch
 
-    from gpufleet import runtime
-
-    runtime.setup()
     warnings: list[str] = []
 
     class Keep(logging.Handler):

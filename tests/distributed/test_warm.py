@@ -383,17 +383,23 @@ def test_a_killed_kernel_leaves_no_setsid_helper_and_no_control_folder(tmp_path)
     assert not stale.exists()
 
 
-def _pid_after(seconds: float) -> int:
+def _pid_after(seconds: float, entered: str | None = None) -> int:
+    if entered:
+        open(entered + str(runtime.get_global_rank()), "w").close()
     time.sleep(seconds)
     return os.getpid()
 
 
-def test_a_cancel_keeps_warm_ranks_that_come_back_from_it():
+def test_a_cancel_keeps_warm_ranks_that_come_back_from_it(tmp_path):
     # seen: cancel() discarded the warm ranks, so the next call started cold (2.1 s)
     f = distributed(_pid_after, keep_warm=60, **{**CPU, "grace_period_s": 10.0})  # the time to come back
     first = f.distributed(0.0)
-    handle = f.submit(60.0)
-    time.sleep(1.0)  # inside the call
+    entered = str(tmp_path / "entered-")
+    handle = f.submit(60.0, entered)
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(entered + str(r)) for r in (0, 1)):  # both ranks inside the call
+        assert time.monotonic() < deadline and not handle.done(), "the call never started on its ranks"
+        time.sleep(0.05)
     handle.cancel()
     with pytest.raises(errors.RunCanceledError):
         handle.result(timeout=30)

@@ -6,8 +6,7 @@ import os
 import sqlite3
 import subprocess
 import sys
-import time
-from pathlib import Path
+import threading
 
 import pytest
 
@@ -74,27 +73,36 @@ def test_a_read_only_home_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_logs_follow_of_a_run_deleted_meanwhile_says_so(tmp_path, home, store: RunStore, capsys):
-    wl = write_workload(tmp_path, command='touch "$GPUFLEET_RUN_DIR/started"; sleep 60')
+    wl = write_workload(tmp_path, command="echo the-follower-shows-this; sleep 60")
     rc, out, err = cli(capsys, "run", "-f", str(wl), "--no-tracking")
     assert rc == 0, out + err
     run_id = out.strip().splitlines()[-1]
     follower = subprocess.Popen([sys.executable, "-m", "gpufleet.cli", "logs", run_id, "--follow"], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    shown = threading.Event()
+
+    def read_lines() -> None:
+        assert follower.stdout is not None
+        for line in follower.stdout:
+            if "the-follower-shows-this" in line:
+                shown.set()
+
+    reader = threading.Thread(target=read_lines, daemon=True)
+    reader.start()
     try:
-        started = Path(store.get(run_id).run_dir) / "started"
-        deadline = time.monotonic() + 60
-        while not started.exists():
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        time.sleep(1.0)  # the follower reads the row at least once
+        # the follower has read the run's row once it shows the command's line, however slow its start
+        assert shown.wait(120), "the follower never showed the run's log"
         with sqlite3.connect(home / "runs.db") as db:
             db.execute("DELETE FROM attempts WHERE run_id = ?", (run_id,))
             db.execute("DELETE FROM runs WHERE id = ?", (run_id,))
-        _, said = follower.communicate(timeout=60)
+        follower.wait(timeout=60)
+        assert follower.stderr is not None
+        said = follower.stderr.read()
     finally:
         if follower.poll() is None:
             follower.kill()
             follower.wait()
+        reader.join(10)
         cli(capsys, "cancel", "--all")
         from gpufleet.workload.liveness import kill_run_processes
 

@@ -321,7 +321,25 @@ def test_the_mlflow_run_opens_while_the_ranks_start_and_the_call_sees_it(
     opened: dict[str, float] = {}
 
     def slow_open(*args, **kwargs):
-        time.sleep(3.0)  # a slow store (or a slow MLflow import): the ranks must not wait for it to start
+        # A slow store (or a slow MLflow import): the ranks must not wait for it to start. It opens
+        # only once both rank processes of this call exist (args[1], the run's name, is its run id,
+        # which the workers' command lines name), however slow the machine; ranks that waited for
+        # the opening never appear, and the opening then goes on after 120 s and the test fails.
+        import psutil
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            ranks = []
+            for child in psutil.Process().children():
+                try:
+                    if any(str(args[1]) in part for part in child.cmdline()):
+                        ranks.append(child)
+                except psutil.Error:
+                    pass
+            if len(ranks) >= 2:
+                break
+            time.sleep(0.05)
+        time.sleep(3.0)  # well past the ranks' start times (psutil reads them to within a second)
         run = real(*args, **kwargs)
         opened["at"] = time.time()
         return run

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,15 @@ def wait_for_text(path: Path, text: str, timeout: float = 60) -> None:
     raise AssertionError(f"{text!r} never appeared in {path}")
 
 
+def wait_until(what: str, check: Callable[[], object], timeout: float = 120, detail: Callable[[], object] | None = None) -> None:
+    """Poll ``check`` until it is true; past ``timeout`` fail with ``what`` (and ``detail()``, if given)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s" + (f"; {detail()}" if detail else ""))
+        time.sleep(0.1)
+
+
 def wait_no_processes(run_id: str, timeout: float = 30) -> list[Any]:
     """Wait until no process of the run is alive; returns what is left after ``timeout``."""
     deadline = time.monotonic() + timeout
@@ -89,8 +99,9 @@ def write_workload(folder: Path, name: str = "workload.yaml", **fields: Any) -> 
     return path
 
 
-def tiny_wheel(folder: Path, name: str = "gfnodedemo", value: str = "installed on this node") -> Path:
-    """A pure-Python wheel of package ``name`` whose ``VALUE`` is ``value``, built by hand (no build backend, no network)."""
+def tiny_wheel(folder: Path, name: str = "gfnodedemo", value: str = "installed on this node", tag: str = "py3") -> Path:
+    """A pure-Python wheel of package ``name`` whose ``VALUE`` is ``value``, tagged ``TAG-none-any``,
+    built by hand (no build backend, no network)."""
     import base64
     import hashlib
     import zipfile
@@ -98,13 +109,14 @@ def tiny_wheel(folder: Path, name: str = "gfnodedemo", value: str = "installed o
     files = {
         f"{name}/__init__.py": f"VALUE = {value!r}\n".encode(),
         f"{name}-0.1.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n".encode(),
-        f"{name}-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{name}-0.1.dist-info/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}-none-any\n".encode(),
     }
     record = "".join(
         f"{member},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}\n"
         for member, data in files.items()
     ) + f"{name}-0.1.dist-info/RECORD,,\n"
-    path = folder / f"{name}-0.1-py3-none-any.whl"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-0.1-{tag}-none-any.whl"
     with zipfile.ZipFile(path, "w") as z:
         for member, data in files.items():
             z.writestr(member, data)

@@ -47,10 +47,11 @@ def test_logs_follow_shows_the_ranks_progress_on_a_terminal(tmp_path: Path, stor
     run_id = json.loads(started.stdout)["id"]
     follow = tmp_path / "follow.py"
     follow.write_text(f"import sys\nfrom gpufleet.cli import main\nsys.exit(main(['logs', {run_id!r}, '--follow']))\n")
-    rc, out = _run_on_pty(follow, "", {**os.environ, **env, "TERM": "xterm-256color"})
+    rc, out = _run_on_pty(follow, "", {**os.environ, **env, "TERM": "xterm-256color", "COLUMNS": "200"})  # wide: the line must not wrap
     text = out.decode("utf-8", "replace")
     assert rc == 0, text
+    run = wait_state(store, run_id)
+    assert run.state == "SUCCESS", (run.message, text[-3000:])
     assert "trained" in text  # the logs
     assert "2 ranks: 2 running" in text and "steps/s" in text and "/40" in text, text[-3000:]
-    assert f"run {run_id} SUCCESS" in text
-    assert wait_state(store, run_id).state == "SUCCESS"
+    assert f"run {run_id} SUCCESS" in text, text[-3000:]

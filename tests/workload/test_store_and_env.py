@@ -154,8 +154,7 @@ def test_cancel_while_dependencies_install_stops_pip_and_cancels(
         assert rc == 0, out + err
         run_id = out.splitlines()[0]
         log = Path(store.get(run_id).run_dir) / "environment.log"
-        wait_for_text(log, "pip")
-        time.sleep(1.0)
+        wait_for_text(log, " -m pip ")  # pip's command line: pip is starting (before it, venv's)
         t0 = time.monotonic()
         rc, out, err = cli(capsys, "cancel", run_id)
         assert rc == 0, out + err

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.workload.store import RunStore
-from tests.workload.helpers import cli, wait_state, write_workload
+from tests.workload.helpers import cli, wait_state, wait_until, write_workload
 
 
 def test_gpu_workloads_share_the_fake_gpus_and_the_third_waits(
@@ -15,13 +15,22 @@ def test_gpu_workloads_share_the_fake_gpus_and_the_third_waits(
 ) -> None:
     monkeypatch.setenv("GPUFLEET_FAKE_GPUS", "2")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    wl = write_workload(tmp_path, compute={"accelerator_type": "GPU_1xFake", "num_accelerators": 1},
-                        command='echo "gpus=$CUDA_VISIBLE_DEVICES"; sleep 2')  # fmt: skip
+    go = tmp_path / "go"  # a run holds its GPU until the test says so, not for a time start-ups could outlast
+    hold = f'echo "gpus=$CUDA_VISIBLE_DEVICES"; while [ ! -e {go} ]; do sleep 0.1; done'
+    wl = write_workload(tmp_path, compute={"accelerator_type": "GPU_1xFake", "num_accelerators": 1}, command=hold)
     ids = []
-    for _ in range(3):
-        code, out, err = cli(capsys, "run", "-f", str(wl), "--no-tracking")
-        assert code == 0, out + err
-        ids.append(out.strip())
+    try:
+        for _ in range(3):
+            code, out, err = cli(capsys, "run", "-f", str(wl), "--no-tracking")
+            assert code == 0, out + err
+            ids.append(out.strip())
+        # two runs hold the two GPUs; whichever supervisor came last says it waits
+        logs_of = [Path(store.get(run_id).run_dir) / "supervisor.log" for run_id in ids]
+        wait_until("a supervisor waits for a GPU",
+                   lambda: any(p.exists() and "waits for 1 GPU (2 of 2 busy)" in p.read_text() for p in logs_of),
+                   detail=lambda: [p.read_text() for p in logs_of if p.exists()])  # fmt: skip
+    finally:
+        go.touch()
     runs = [wait_state(store, run_id, timeout=60) for run_id in ids]
     assert [r.state for r in runs] == ["SUCCESS"] * 3, [r.message for r in runs]
     seen = [(Path(r.attempts[-1].log_dir) / "node-0.log").read_text().splitlines()[0] for r in runs]
