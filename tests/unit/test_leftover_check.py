@@ -14,7 +14,12 @@ from tests.proc import describe
 def test_a_live_process_is_named_by_its_command_line() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "marker-live"])
     try:
-        text = describe(psutil.Process(proc.pid))
+        p = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 60
+        while "marker-live" not in p.cmdline():  # until the child has replaced itself with python
+            assert time.monotonic() < deadline, "the child did not start"
+            time.sleep(0.05)
+        text = describe(p)
         assert text.startswith(f"{proc.pid} (") and "marker-live" in text
     finally:
         proc.kill()
