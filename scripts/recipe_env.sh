@@ -23,15 +23,21 @@ stamp="$env_dir/.gpufleet-recipe-env-$hash"
 
 if [ -f "$stamp" ]; then
   echo "recipe_env: $env_dir is up to date ($hash)"
-  PIP_INSTALL_PREFIX="recipe_env: " say_torch_build "$env_dir/bin/python" "$env_dir/pip-install-report.json"
+  PIP_INSTALL_PREFIX="recipe_env: " say_torch_build "$env_dir/bin/python" "$env_dir/pip-install-report.json" \
+    "$( [ -f "$env_dir/pip-install-report.json" ] || echo "$env_dir/pip-install.log")"
   exit 0
 fi
 start=$(date +%s)
 echo "recipe_env: building $env_dir from $reqs"
 rm -rf "$env_dir"
 mkdir -p "$root"
-"$python" -m venv "$env_dir"
-"$env_dir/bin/pip" install --quiet --upgrade pip
+if uv=$(find_uv "$python"); then  # GPUFLEET_UV (scripts/test.sh passes its own) or uv on PATH
+  "$uv" venv --quiet --seed --python "$python" "$env_dir"  # with pip, without running ensurepip
+else
+  "$python" -m venv "$env_dir"
+  ensure_uv "$env_dir/bin/python"  # the installer: uv where it can be had
+  find_uv "$env_dir/bin/python" >/dev/null || "$env_dir/bin/pip" install --quiet --upgrade pip
+fi
 # One resolve for everything, so pip never swaps torch for a CUDA build behind our back; without
 # an NVIDIA GPU it takes CPU builds of torch and torchvision (scripts/pip_install.sh).
 PIP_INSTALL_PREFIX="recipe_env: " pip_install "$env_dir/bin/python" "$env_dir/pip-install.log" -r "$reqs" -e "$repo"

@@ -4,7 +4,7 @@ Used by scripts/pip_install.sh (so by scripts/demo.sh, scripts/test.sh and scrip
 standard library only, because it runs before any environment has packages.
 
     python scripts/torch_build.py pip-args     # stdout: which build and why, then extra pip arguments, one a line
-    python scripts/torch_build.py describe [--pip-report FILE]   # run by the environment's python
+    python scripts/torch_build.py describe [--pip-report FILE | --uv-log FILE]   # run by the environment's python
 
 ``pip-args``: with an NVIDIA GPU (``nvidia-smi -L`` lists one) nothing: pip takes torch from its
 configured indexes, as always. Without one, PyTorch's CPU wheel index is asked for a few seconds;
@@ -15,8 +15,8 @@ caches hold (a CUDA build where only that is there; ``describe`` then says so).
 
 ``describe``: one line per installed torch / torchvision with its version, its build
 (``torch.version.cuda``, read from ``torch/version.py`` without importing torch) and where pip
-took it from (``download_info`` of pip's ``--report``), e.g.
-``torch 2.13.0+cpu: CPU build, from /opt/wheels/torch-2.13.0+cpu-cp311-...whl``.
+took it from (``download_info`` of pip's ``--report``; the file uv says it selected, in uv's
+verbose output), e.g. ``torch 2.13.0+cpu: CPU build, from /opt/wheels/torch-2.13.0+cpu-cp311-...whl``.
 
 Environment: ``GPUFLEET_TORCH_CPU_INDEX`` (default https://download.pytorch.org/whl/cpu; a mirror of
 it, or ``none`` to never use one), ``GPUFLEET_TORCH_INDEX_TIMEOUT`` (seconds the index may take to
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -126,10 +127,24 @@ def _torch_build() -> str | None:
     return f"CUDA {cuda} build" if cuda else "CPU build"
 
 
-def describe(pip_report: Path | None, gpu: str | None) -> list[str]:
+def _uv_selected(uv_log: Path) -> dict[str, dict]:
+    """What uv's verbose log says it selected (``Selecting: torch==2.13.0+cpu [..] (FILE)``), as
+    entries shaped like pip's report (``{"metadata": {..}, "download_info": {"url": FILE}}``)."""
+    pattern = re.compile(r"Selecting: ([A-Za-z0-9_.-]+)==(\S+) \[[^]]*\] \((.+)\)$")
+    found: dict[str, dict] = {}
+    for line in uv_log.read_text(errors="replace").splitlines():
+        m = pattern.search(line)
+        if m:
+            found[m[1].lower()] = {"metadata": {"name": m[1], "version": m[2]}, "download_info": {"url": m[3]}}
+    return found
+
+
+def describe(pip_report: Path | None, gpu: str | None, uv_log: Path | None = None) -> list[str]:
     """One line per installed package of PACKAGES: version, build, where it came from."""
     installed: dict[str, dict] = {}
-    if pip_report is not None and pip_report.is_file():
+    if uv_log is not None and uv_log.is_file():
+        installed, pip_report = _uv_selected(uv_log), uv_log
+    elif pip_report is not None and pip_report.is_file():
         try:
             report = json.loads(pip_report.read_text())
             installed = {e["metadata"]["name"].lower(): e for e in report.get("install", [])}
@@ -166,12 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("pip-args", help="print a line saying which torch build and why, then the extra pip arguments (one a line)")
     d = sub.add_parser("describe", help="say which torch build this interpreter's environment has")
     d.add_argument("--pip-report", type=Path, help="pip's --report of the install")
+    d.add_argument("--uv-log", type=Path, help="uv's verbose output of the install (instead of a pip report)")
     args = parser.parse_args(argv)
     if args.command == "pip-args":
         pip_args, why = choose()
         print("\n".join([why, *pip_args]))
         return 0
-    for line in describe(args.pip_report, nvidia_gpu()):
+    for line in describe(args.pip_report, nvidia_gpu(), args.uv_log):
         print(line)
     return 0
 
