@@ -45,6 +45,14 @@ phase "installing, and the browser's and Slurm's packages"
 # of Ray's and Slurm's clusters (marker `cluster`), in one process with the machine to themselves:
 # a Ray node whose agent does not start within Ray's fixed 15 s is lost on a busy machine.
 # A `-m` of the caller's runs one pytest with it.
+# torch's JIT extensions (DeepSpeed's shared-memory op: two minutes of both cores to build) build
+# once for the whole run, in a folder of its own that both phases share (tests/conftest.py keeps a
+# folder given here); removed at the end
+own_ext_dir=""
+if [ -z "${TORCH_EXTENSIONS_DIR:-}" ]; then
+  own_ext_dir=$(mktemp -d "${TMPDIR:-/tmp}/gpufleet-test-torch-ext-XXXXXX")
+  export TORCH_EXTENSIONS_DIR=$own_ext_dir
+fi
 cores=$(nproc 2>/dev/null || echo 1)
 workers=${GPUFLEET_TEST_WORKERS:-$(( cores < 2 ? 0 : 2 ))}
 case $workers in ''|*[!0-9]*) echo "test.sh: GPUFLEET_TEST_WORKERS=$workers is not a number of workers (e.g. 2, or 0 for one process)" >&2; exit 2 ;; esac
@@ -67,5 +75,6 @@ else
   elif [ "$second" != 0 ] && [ "$second" != 5 ]; then status=$second
   fi
 fi
+[ -z "$own_ext_dir" ] || rm -rf "$own_ext_dir"
 [ -z "$builder" ] || wait "$builder" || true  # pytest's summary stays the last line printed
 exit "$status"

@@ -11,6 +11,7 @@ keeps a module (and its module-scoped fixtures) on one worker.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 import pytest
@@ -22,6 +23,15 @@ from tests.proc import describe, leftover_worker_processes
 # file is imported: Ray reads it when it is imported, and pytest imports the conftest files of the
 # paths it is given (tests/ray/conftest.py imports ray) before any pytest_configure runs.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+# The test environment's own tools first on PATH, for every process the suite starts (as in an
+# activated environment). torch builds DeepSpeed's op with the `ninja` it finds on PATH: the
+# environment's (1.13) in a notebook kernel, the system's (1.11) in a rank started from a bare
+# PATH. Each reads the other's build log as foreign and compiles the op again (two minutes of
+# both cores on a 2-core machine), so one session built it two or three times instead of once.
+_ENV_BIN = os.path.dirname(os.path.abspath(sys.executable))
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _ENV_BIN:
+    os.environ["PATH"] = os.pathsep.join([_ENV_BIN, os.environ.get("PATH", "")])
 
 
 _DEFAULT_HOME = "GPUFLEET_TEST_DEFAULT_HOME"  # the home below was made here, not given by the caller
@@ -47,9 +57,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # torch's JIT extensions (DeepSpeed's shared-memory op) build in the session's own folder, shared
     # by its tests, its xdist workers (which inherit it) and their subprocesses: built once per
     # session, as on a new machine, and never stalled by a lock that a build killed in another
-    # session left in ~/.cache/torch_extensions
-    if not worker:
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", tempfile.mkdtemp(prefix="gpufleet-test-torch-ext-"))
+    # session left in ~/.cache/torch_extensions (scripts/test.sh gives one folder to both its phases)
+    if not worker and not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="gpufleet-test-torch-ext-")
 
 
 def _recipe_env(item: pytest.Item) -> str | None:
