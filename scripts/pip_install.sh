@@ -112,9 +112,8 @@ pip_install() {
 
 # uv pip install with pip's configuration (scripts/uv_args.py); its verbose output to LOG.
 # --compile-bytecode: the .pyc files pip writes as it installs, which uv leaves out by default.
-# Without them every process compiles each module it imports, and where PYTHONDONTWRITEBYTECODE
-# is set (as on CI machines) it does so again in every process: a rank's `import torch` costs
-# 9.1 s of CPU instead of 3.9, `import deepspeed` 21 s instead of 8 (docs/benchmarks.md).
+# Without them the first process to import each module compiles it, and where
+# PYTHONDONTWRITEBYTECODE is set every process does so again (every rank's `import torch`).
 _uv_install() {
   local - uv=$1 python=$2 log=$3 status line args=() envs=()
   shift 3

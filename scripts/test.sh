@@ -5,17 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-new_venv=0
-[ -x .venv/bin/python ] || { "$PYTHON" -m venv .venv; new_venv=1; }
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 . scripts/pip_install.sh  # CPU builds of torch without an NVIDIA GPU; says which build it took
 phase_start=$SECONDS
 phase() { echo "test.sh: $1 took $(( SECONDS - phase_start )) s"; phase_start=$SECONDS; }
 ensure_uv .venv/bin/python  # uv, the installer, where it can be had (pip where not, or GPUFLEET_INSTALLER=pip)
 pip_install .venv/bin/python .venv/test-install.log -e ".[all,test]"
-if [ ! -e .venv/.bytecode-compiled ]; then  # a .venv filled by an installer that wrote no .pyc files: compiled once
-  [ "$new_venv" = 1 ] || .venv/bin/python -m compileall -q -j 0 .venv/lib/python*/site-packages >/dev/null 2>&1 || true
-  touch .venv/.bytecode-compiled
-fi
 GPUFLEET_UV=$(find_uv .venv/bin/python) && export GPUFLEET_UV  # the recipe environments use the same uv
 scripts/setup_browser.sh  # Chromium for the live panel's browser test (root and apt only; else it skips)
 build_recipe_envs() {  # each environment's output in LOGS/NAME.log, its exit status in LOGS/NAME.rc
