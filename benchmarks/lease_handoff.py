@@ -9,12 +9,15 @@ has exited. Watched from outside (psutil, lock-file sizes, every millisecond):
 - ``taken``: B has written itself into the lock file;
 - ``B's ranks``: B's first rank process exists (a child of B's caller).
 
-The hand-off is ``B's ranks - rank gone``. On CPU it runs on fake GPUs (``GPUFLEET_FAKE_GPUS=1``,
+The hand-off is ``B's ranks - rank gone``. With ``--kill`` A's caller is SIGKILLed once B waits
+(its rank then sees its caller gone and exits within half a second): the lease must still pass
+only after the rank is gone, so every time in the table is positive. On CPU it runs on fake GPUs (``GPUFLEET_FAKE_GPUS=1``,
 the test override of discovery: the same lease code as real GPUs); ``--gpu`` uses GPU 0 of this
 machine (the function then puts a tensor on it, so that the driver has memory to free).
 
     python benchmarks/lease_handoff.py --rounds 5
     python benchmarks/lease_handoff.py --gpu --rounds 3
+    python benchmarks/lease_handoff.py --kill --rounds 5     # the holder's caller SIGKILLed
 
 Run it against another checkout by pointing ``PYTHONPATH`` at that checkout's ``src``.
 """
@@ -64,7 +67,7 @@ def _wait_file(path: Path, proc: subprocess.Popen[str], timeout_s: float) -> int
     return int(path.read_text())
 
 
-def one_round(folder: Path, env: dict[str, str], gpu: bool, hold_s: float) -> dict[str, float]:
+def one_round(folder: Path, env: dict[str, str], gpu: bool, hold_s: float, kill: bool = False) -> dict[str, float]:
     import psutil
 
     script = folder / "caller.py"
@@ -79,8 +82,12 @@ def one_round(folder: Path, env: dict[str, str], gpu: bool, hold_s: float) -> di
     caller_b = psutil.Process(b.pid)
     lock = next(leases.glob("gpu-*.lock"))
     t: dict[str, float] = {}
+    if kill:
+        assert b.stderr is not None
+        b.stderr.readline()  # "... waits for 1 GPU ...": B waits
+        a.kill()
     deadline = time.monotonic() + hold_s + 120
-    while "ranks" not in t and time.monotonic() < deadline:
+    while not ("ranks" in t and "gone" in t) and time.monotonic() < deadline:
         now = time.monotonic()
         if "gone" not in t:
             try:
@@ -97,14 +104,14 @@ def one_round(folder: Path, env: dict[str, str], gpu: bool, hold_s: float) -> di
         if holder_pid == b.pid and "taken" not in t:
             t["taken"] = now
         try:
-            if "gone" in t and caller_b.children():
+            if "ranks" not in t and caller_b.children():
                 t["ranks"] = now
         except psutil.NoSuchProcess:
             break
         time.sleep(0.001)
     for p in (a, b):
         out, err = p.communicate(timeout=120)
-        if p.returncode != 0:
+        if p.returncode != 0 and not (kill and p is a):
             raise RuntimeError(f"a caller failed: {out}{err}")
     if "ranks" not in t:
         raise RuntimeError(f"B's ranks were not seen to start: {t}")
@@ -117,6 +124,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--gpu", action="store_true", help="GPU 0 of this machine instead of a fake GPU")
     parser.add_argument("--hold", type=float, default=4.0, help="seconds A's function holds the GPU")
+    parser.add_argument("--kill", action="store_true", help="SIGKILL A's caller once B waits, instead of A's function returning")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="gpufleet-handoff-") as tmp:
@@ -130,9 +138,10 @@ def main() -> int:
             env["GPUFLEET_FAKE_GPUS"] = "1"
             env.pop("CUDA_VISIBLE_DEVICES", None)
         for i in range(args.rounds):
-            rows.append(one_round(folder, env, args.gpu, args.hold))
+            rows.append(one_round(folder, env, args.gpu, 60.0 if args.kill else args.hold, args.kill))
             print(f"round {i + 1}: " + json.dumps({k: round(v, 3) for k, v in rows[-1].items()}), file=sys.stderr)
-    print(f"\nlease hand-off, {'GPU 0' if args.gpu else 'a fake GPU'}, {args.rounds} rounds "
+    print(f"\nlease hand-off, {'GPU 0' if args.gpu else 'a fake GPU'}, {args.rounds} rounds"
+          f"{', the holder SIGKILLed' if args.kill else ''} "
           "(seconds after the holder's last rank was gone)\n")  # fmt: skip
     print("| step | median s | min s | max s |\n|---|---:|---:|---:|")
     for key, label in (("released", "holder's lease released"), ("taken", "waiter holds the lease"),

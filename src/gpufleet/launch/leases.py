@@ -343,6 +343,16 @@ class GpuLease:
     def released(self) -> bool:
         return not self._fds
 
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """The lock descriptors, for the processes that use these GPUs to inherit (``pass_fds``).
+
+        A flock belongs to the open file, not to one descriptor: a rank that inherited it keeps
+        the GPUs leased after this process dies, however it dies, until the rank (and every
+        process it forked) has exited too. :meth:`release` unlocks explicitly, for all of them.
+        """
+        return tuple(self._fds)
+
     def rename(self, holder: Holder) -> None:
         """Name another holder of these GPUs (a warm rank's next call, or its idle ranks)."""
         with self._lock:
@@ -361,7 +371,9 @@ class GpuLease:
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)  # the next reader sees no stale holder
-            os.close(fd)  # closing the only descriptor drops the flock
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)  # also for ranks that inherited the descriptor and still run
+            os.close(fd)
 
     def __enter__(self) -> GpuLease:
         return self

@@ -135,6 +135,7 @@ class LocalWorkerGroup(WorkerGroup):
                 proc = popen_in_own_group(
                     [sys.executable, "-m", "gpufleet.launch.worker", str(self.run_dir.path), str(rank)],
                     env=self._env(rank, self.rendezvous),
+                    pass_fds=self.lease.fds if self.lease is not None else (),  # held until every rank is gone
                 )
                 self._procs.append(proc)
                 self._pumps.append(_Pump(proc, RankLog(rank, self.run_dir.log(rank), self._logs)))

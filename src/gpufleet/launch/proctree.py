@@ -24,12 +24,13 @@ _KILL_WAIT_S = 5.0
 
 
 def popen_in_own_group(
-    argv: list[str], env: dict[str, str], cwd: str | None = None, stdout: Any = subprocess.PIPE, stderr: Any = subprocess.PIPE
+    argv: list[str], env: dict[str, str], cwd: str | None = None, stdout: Any = subprocess.PIPE, stderr: Any = subprocess.PIPE,
+    pass_fds: Sequence[int] = (),
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` as the leader of a new process group (stdout and stderr piped by default).
 
     Its own process group lets teardown reach grandchildren (DataLoader workers); stdin is
-    closed and no other descriptor is inherited.
+    closed and no other descriptor is inherited but ``pass_fds`` (a GPU lease's locks).
     """
     return subprocess.Popen(
         argv,
@@ -40,6 +41,7 @@ def popen_in_own_group(
         stderr=stderr,
         start_new_session=True,
         close_fds=True,
+        pass_fds=tuple(pass_fds),
     )
 
 

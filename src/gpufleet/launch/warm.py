@@ -364,6 +364,7 @@ class WarmWorkerGroup(LocalWorkerGroup):
                     [sys.executable, "-m", "gpufleet.launch.warm_worker", str(control), str(rank)],
                     env=self._env(rank, rendezvous), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+                    pass_fds=self.lease.fds if self.lease is not None else (),  # held while they live
                 ))  # fmt: skip
         except BaseException:
             stop_tree(procs, 0.5)

@@ -4,7 +4,8 @@ A GPU workload run on this machine waits for ``compute.num_accelerators`` free G
 does (:mod:`gpufleet.launch.leases`): up to its ``timeout_minutes``, without a limit when it has
 none, and ``gpufleet cancel`` ends the wait. Its command sees only the leased GPUs
 (``CUDA_VISIBLE_DEVICES``); the supervisor holds the lease until the attempt's processes are
-stopped, and the lease ends with the supervisor if it dies.
+stopped, and the node command's processes inherit it, so a supervisor that dies leaves the GPUs
+leased until they have exited too.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class LeasedNodeProcess(LocalNodeProcess):
 
     def __init__(self, spec: NodeSpec, lease: GpuLease) -> None:
         self.lease = lease
-        super().__init__(spec)
+        super().__init__(spec, pass_fds=lease.fds)  # the node's processes hold the lease too
 
     def cleanup(self) -> None:
         try:

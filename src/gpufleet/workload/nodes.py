@@ -124,7 +124,7 @@ class LocalNodeProcess(NodeProcess):
     parent exited, the tree).
     """
 
-    def __init__(self, spec: NodeSpec) -> None:
+    def __init__(self, spec: NodeSpec, pass_fds: tuple[int, ...] = ()) -> None:
         self.node_rank = spec.node_rank
         self.spec = spec
         self.run_id = spec.env.get(RUN_ID_ENV)
@@ -132,7 +132,7 @@ class LocalNodeProcess(NodeProcess):
         try:
             self.popen = popen_in_own_group(
                 [sys.executable, "-m", "gpufleet.workload.guard", "--", "bash", "-c", spec.command],
-                spec.env, spec.cwd, stdout=log, stderr=subprocess.STDOUT,
+                spec.env, spec.cwd, stdout=log, stderr=subprocess.STDOUT, pass_fds=pass_fds,
             )  # fmt: skip
         finally:
             log.close()
