@@ -383,6 +383,44 @@ def test_a_killed_kernel_leaves_no_setsid_helper_and_no_control_folder(tmp_path)
     assert not stale.exists()
 
 
+IDLE_KERNEL = textwrap.dedent("""
+    import os, sys, time
+    from gpufleet import distributed
+
+    def pid():
+        return os.getpid()
+
+    f = distributed(pid, gpus=2, gpu_type="cpu", tracking=False, stream_logs=False, keep_warm=600)
+    print("PIDS", *f.distributed(), *f.distributed(), flush=True)  # two calls on the same warm ranks
+    time.sleep(600)  # the kernel idles: its warm ranks wait for the next job
+""")
+
+
+def test_an_idle_kernel_killed_leaves_no_warm_ranks_and_no_control_folder(tmp_path):
+    # seen: the ranks were gone in 1.1 s, their control folder (owner.lock, stack files) stayed
+    # until the next warm start: idle ranks end when their job pipe closes, before their parent
+    # watch would remove it
+    import psutil
+
+    runs = tmp_path / "home" / "runs"
+    script = tmp_path / "kernel.py"
+    script.write_text(IDLE_KERNEL)
+    env = {**os.environ, "GPUFLEET_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        pids = [int(p) for p in line.split()[1:]]
+        assert len(pids) == 4 and pids[:2] == pids[2:], line  # the second call ran on the warm ranks
+        assert len(list(runs.glob("gpufleet-warm-*"))) == 1
+    finally:
+        proc.kill()
+        proc.communicate()
+    ranks = [psutil.Process(p) for p in pids[:2] if psutil.pid_exists(p)]
+    _, alive = psutil.wait_procs(ranks, timeout=15)
+    assert not alive, f"warm ranks outlived their killed kernel: {alive}"
+    assert not list(runs.glob("gpufleet-warm-*")), "the killed kernel's warm control folder stayed"
+
+
 def _pid_after(seconds: float, entered: str | None = None) -> int:
     if entered:
         open(entered + str(runtime.get_global_rank()), "w").close()

@@ -53,7 +53,7 @@ from .logstream import LogConfig, RankLog
 from .ports import find_free_port
 from .proctree import stop_tree
 from .spec import LaunchSpec, Rendezvous
-from .warm_worker import JOB_END, REPLACE_SUFFIX
+from .warm_worker import JOB_END, OWNER_LOCK, REPLACE_SUFFIX
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ REAP_EVERY_S = 0.25
 #: The holder kind idle warm ranks are named with in their GPU lease.
 WARM_KIND = "warm"
 _CONTROL_PREFIX = "gpufleet-warm-"
-_OWNER_LOCK = "owner.lock"
+_OWNER_LOCK = OWNER_LOCK
 _END = (JOB_END + "\n").encode()
 _END_REPLACE = (JOB_END + REPLACE_SUFFIX + "\n").encode()
 

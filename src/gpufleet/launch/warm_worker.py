@@ -15,13 +15,16 @@ already up and ``destroy_process_group`` of the default group are no-ops here.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import fcntl
 import gc
 import json
 import os
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +135,45 @@ def serve(control_dir: Path, rank: int) -> int:
     return 0
 
 
+#: The file in a warm pool's control folder that its caller holds an exclusive ``flock`` on while it lives.
+OWNER_LOCK = "owner.lock"
+
+
+def remove_control_dir_if_orphaned(control_dir: Path, parent_pid: int | None, wait_s: float = 0.5) -> bool:
+    """After the job pipe closed: remove the control folder when the caller is gone (True if removed).
+
+    A caller that stops its ranks keeps holding ``owner.lock`` (it removes the folder itself once
+    they are gone, and stops them with SIGTERM right after closing the pipe); a caller that died
+    (a kernel killed with SIGKILL) holds nothing, and its ranks saw the pipe close before their
+    parent watch would have noticed. The kernel drops the lock and closes the pipe in the same
+    exit, in an order of its own, so this looks for up to ``wait_s``.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        gone = parent_pid is not None and os.getppid() != parent_pid
+        if not gone:
+            try:
+                fd = os.open(control_dir / OWNER_LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                return False  # the caller removed it: a normal stop
+            except OSError:
+                fd = -1
+            if fd >= 0:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    gone = True
+                except OSError:
+                    pass
+                finally:
+                    os.close(fd)
+        if gone:
+            shutil.rmtree(control_dir, ignore_errors=True)
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry of ``python -m gpufleet.launch.warm_worker CONTROL_DIR RANK``."""
     argv = sys.argv[1:] if argv is None else argv
@@ -142,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     code = serve(control_dir, rank)
+    with contextlib.suppress(Exception):
+        remove_control_dir_if_orphaned(control_dir, int(parent) if parent else None)
     worker.fast_exit(code)
     return code
 
