@@ -93,6 +93,10 @@ _KEYS_OF = {
 }
 
 
+#: The largest ``factor`` of a ``slow`` fault: a rank a thousand times slower is a hang (use ``hang``).
+MAX_FACTOR = 1000.0
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -119,15 +123,16 @@ def _problems(fields: Mapping[str, Any], given: Iterable[str] | None) -> list[st
     if attempt is not None and (not _is_int(attempt) or attempt < 1):
         out.append(f"attempt must be an integer >= 1 (1: the first), got {attempt!r}")
     if action == "slow":
-        if not _is_number(factor) or not math.isfinite(factor) or factor < 1:
-            out.append(f"a slow fault needs a finite factor >= 1 (how many times as long each step takes), got {factor!r}")
+        if not _is_number(factor) or not math.isfinite(factor) or not 1 <= factor <= MAX_FACTOR:
+            out.append(f"a slow fault needs a factor from 1 to {MAX_FACTOR:g} (how many times as long each step "
+                       f"takes; a slower rank is a hang: use hang), got {factor!r}")  # fmt: skip
         return out
     if (step is None) == (after is None):
         out.append(f"a {action} fault needs exactly one of step=N or after=SECONDS")
     if step is not None and (not _is_int(step) or step < 1):
         out.append(f"step must be an integer >= 1, got {step!r}")
-    if after is not None and (not _is_number(after) or not math.isfinite(after) or after < 0):
-        out.append(f"after must be a finite number of seconds >= 0, got {after!r}")
+    if after is not None and (not _is_number(after) or not math.isfinite(after) or not 0 <= after <= threading.TIMEOUT_MAX):
+        out.append(f"after must be a number of seconds from 0 to {threading.TIMEOUT_MAX:g}, got {after!r}")
     if action == "exit" and (not _is_int(code) or not 0 <= code <= 255):
         out.append(f"code must be an exit code from 0 to 255 (a process cannot exit with another), got {code!r}")
     return out
@@ -277,12 +282,39 @@ def arm(rank: int, at_start: bool = False) -> None:
     _armed = [f for f in mine if f.after is None]
     for f in mine:
         if f.after is not None:
-            timer = threading.Timer(f.after, _fire, args=(f, f"{f.after:g} s after the start"))
+            fire = _hang_in_main_thread() if f.action == "hang" else _fire
+            timer = threading.Timer(f.after, fire, args=(f, f"{f.after:g} s after the start"))
             timer.daemon = True
             timer.start()
             _timers.append(timer)
     if _armed:
         _count_torch_optimizer_steps()
+
+
+#: The signal a timer thread sends the main thread to hang it there (a real-time one, unused by Python or torch).
+_HANG_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else None
+_pending_hang: list[tuple[Fault, str]] = []
+
+
+def _hang_in_main_thread() -> Callable[[Fault, str], None]:
+    """What a ``hang:after=`` timer calls: a hang must stop the rank's own code, which runs in the
+    main thread, not the timer's thread. The timer signals the main thread, whose handler hangs
+    (at its next Python instruction: a rank blocked in a collective hangs once that returns).
+    Where no handler can be set (a rank armed from another thread), the timer's thread hangs."""
+    if _HANG_SIGNAL is None or threading.current_thread() is not threading.main_thread():
+        return _fire
+    signal.signal(_HANG_SIGNAL, _on_hang_signal)
+
+    def fire(fault: Fault, when: str) -> None:
+        _pending_hang.append((fault, when))
+        signal.pthread_kill(threading.main_thread().ident, _HANG_SIGNAL)
+
+    return fire
+
+
+def _on_hang_signal(signum: int, frame: Any) -> None:
+    if _pending_hang:
+        _fire(*_pending_hang.pop(0))
 
 
 def _count_torch_optimizer_steps() -> None:

@@ -53,6 +53,35 @@ def test_hang_a_rank_and_the_watchdog_names_it():
     assert "rank 0 missing from all_reduce" in str(info.value) and "_steps" in str(info.value)
 
 
+def _until_told(stop_file: str) -> int:
+    """Loop in the rank's own code until ``stop_file`` exists; returns how many turns it took."""
+    import os
+
+    turns = 0
+    while not os.path.exists(stop_file):
+        time.sleep(0.02)
+        turns += 1
+    return turns
+
+
+def test_hang_after_a_time_stops_the_ranks_own_code(tmp_path):
+    # seen: "injected fault: hang at 1 s after the start" was logged from the timer's thread, and
+    # the rank's own code went on: the call returned normally
+    stop = tmp_path / "stop"
+    handle = distributed(_until_told, faults=["hang:rank=1:after=1"], **CPU).submit(str(stop))
+    try:
+        deadline = time.monotonic() + 120
+        while "gpufleet: injected fault: hang at 1 s after the start" not in handle.logs(1):
+            assert time.monotonic() < deadline and not handle.done(), handle.logs(1)
+            time.sleep(0.1)
+        stop.touch()  # rank 0 returns at once; the hung rank 1 never sees it
+        with pytest.raises(TimeoutError):
+            handle.result(timeout=5)
+        assert handle.status == "RUNNING"
+    finally:
+        handle.cancel()
+
+
 def test_slow_a_rank_by_a_factor():
     # rank 1's steps take 4 times as long; rank 0 waits for it in each all-reduce. Sleeps are
     # lower bounds, so are these: 8 steps of at least 0.2 s, and rank 1 sleeps 3 times each
@@ -77,7 +106,7 @@ def test_a_run_without_faults_sets_nothing_and_faults_hit_the_first_attempt_only
     ("kill:rank=1", "exactly one of step=N or after=SECONDS"),
     ("kill:step=3:after=2", "exactly one of"),
     ("kill:step=zero", "step='zero' is not an integer"),
-    ("slow:factor=0.5", "factor >= 1"),
+    ("slow:factor=0.5", "factor from 1 to 1000"),
     ("kill:rank=-1:step=2", "rank must be an integer >= 0"),
     ({"action": "kill", "when": 3}, "a fault is a dict"),
 ])  # fmt: skip
@@ -89,15 +118,17 @@ def test_a_fault_that_could_never_fire_is_refused_before_launch(bad, why):
 
 
 @pytest.mark.parametrize("bad, why", [
-    ("kill:rank=1:after=nan", "after must be a finite number of seconds"),
-    ("hang:rank=1:after=inf", "after must be a finite number of seconds"),  # would never fire
-    ("slow:rank=1:factor=nan", "finite factor >= 1"),  # crashed the rank inside gpufleet
+    ("kill:rank=1:after=nan", "after must be a number of seconds from 0 to"),
+    ("hang:rank=1:after=inf", "after must be a number of seconds from 0 to"),  # would never fire
+    ("kill:rank=1:after=1e300", "after must be a number of seconds from 0 to"),  # overflowed the rank's timer
+    ("slow:rank=1:factor=nan", "factor from 1 to 1000"),  # crashed the rank inside gpufleet
+    ("slow:rank=1:factor=1e308", "factor from 1 to 1000"),  # OverflowError inside gpufleet's sleep
     ("exit:rank=1:step=2:code=256", "exit code from 0 to 255"),  # 256 would be reported as exit 0
     ("kill:rank=1:rank=0:step=2", "rank is given twice"),
     ("kill:rank=1:step=2:code=3", "kill takes no code"),
     ("slow:rank=1:step=3", "slow takes no step"),
     ({"action": "kill", "rank": True, "step": 2}, "rank must be an integer"),
-    ({"action": "kill", "rank": 1, "after": "5"}, "after must be a finite number"),
+    ({"action": "kill", "rank": 1, "after": "5"}, "after must be a number of seconds"),
     ("kill:rank=5:step=3", "rank 5 does not exist: the run has 2 ranks"),
     ("kill:rank=1:step=3:attempt=3", "attempt 3 never runs: the run makes at most 1 attempt"),
 ])  # fmt: skip

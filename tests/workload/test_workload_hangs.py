@@ -105,9 +105,23 @@ def test_faults_that_could_never_fire_in_this_workload_are_refused_at_once(tmp_p
     assert rc == 2 and "invalid (4 problems)" in text, text
     assert "faults[0]: fault 'kill:rank=5:step=3': rank 5 does not exist: the run has 2 ranks (0..1)" in text
     assert "faults[1]: fault 'kill:rank=1:step=3:attempt=3': attempt 3 never runs" in text
-    assert "faults[2]: fault 'hang:rank=0:after=inf': after must be a finite number" in text
+    assert "faults[2]: fault 'hang:rank=0:after=inf': after must be a number of seconds from 0 to" in text
     assert "faults[3]: fault 'exit:rank=0:step=2:code=256': code must be an exit code from 0 to 255" in text
     assert store.list(states=None) == []  # nothing was submitted
+
+
+def test_validate_names_every_wrong_fault_of_the_file_a_non_string_among_them(tmp_path: Path, capsys) -> None:
+    # seen: one entry that was not a string hid the others' problems, and factor=1e308 passed
+    wl = _project(tmp_path, faults=["kill:rank=1:step=3", "slow:rank=1:factor=1e308", "bogus:rank=1",
+                                    "exit:rank=0:step=2:code=300", 5, "kill:rank=7:step=2"])  # fmt: skip
+    rc, out, err = cli(capsys, "validate", "-f", str(wl))
+    text = out + err
+    assert rc == 2 and "invalid (5 problems)" in text, text
+    assert "faults[1]: fault 'slow:rank=1:factor=1e308': a slow fault needs a factor from 1 to 1000" in text
+    assert "faults[2]: fault 'bogus:rank=1': action 'bogus' is not one of kill, hang, exit, slow" in text
+    assert "faults[3]: fault 'exit:rank=0:step=2:code=300': code must be an exit code from 0 to 255" in text
+    assert "faults[4]: fault 5: a fault is 'ACTION[:key=value...]'" in text
+    assert "faults[5]: fault 'kill:rank=7:step=2': rank 7 does not exist: the run has 2 ranks (0..1)" in text
 
 
 def test_the_fault_boot_keeps_the_environments_own_sitecustomize(tmp_path: Path) -> None:

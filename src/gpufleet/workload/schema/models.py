@@ -350,13 +350,15 @@ class WorkloadConfig(_Strict):
         examples=[["kill:rank=1:step=30"]],
     )
 
-    @field_validator("faults")
+    @field_validator("faults", mode="before")
     @classmethod
-    def _check_faults(cls, v: list[str]) -> list[str]:
+    def _check_faults(cls, v: Any) -> Any:
         from ...faults import fault_problems
         from .problems import ItemProblems
 
-        problems = fault_problems(v)  # every problem of every fault
+        if not isinstance(v, list):
+            return v  # not a list: the field's type says so
+        problems = fault_problems(v)  # every problem of every fault, one that is not a string too
         if problems:
             raise ItemProblems(problems)
         return v
