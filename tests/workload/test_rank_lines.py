@@ -121,3 +121,47 @@ def test_turned_off_by_the_environment() -> None:
     assert lines is not None and lines.first_rank == 16
     assert lines.child_env() == {"PET_REDIRECTS": "3", "PET_LOG_DIR": lines.folder}
     lines.stop()
+
+
+def test_a_sigkilled_guards_folder_goes_when_the_next_guard_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # seen: every guard killed with SIGKILL left an empty /tmp/gpufleet-ranks-* folder for good
+    import contextlib
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    guard = subprocess.Popen(
+        [sys.executable, "-m", "gpufleet.workload.guard", "--", "bash", "-c", "sleep 60"],
+        env={**os.environ, "NODE_RANK": "0", "LOCAL_WORLD_SIZE": "2"},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(f"gpufleet-ranks-{guard.pid}-*")):
+            assert guard.poll() is None and time.monotonic() < deadline, "the guard made no folder"
+            time.sleep(0.05)
+    finally:
+        command = psutil.Process(guard.pid).children(recursive=True)
+        guard.send_signal(signal.SIGKILL)
+        guard.wait()
+        for p in command:  # the guard's command, orphaned by the kill
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    assert list(tmp_path.glob(f"gpufleet-ranks-{guard.pid}-*"))  # a killed guard cannot remove it
+    live = tmp_path / f"gpufleet-ranks-{os.getpid()}-live"  # a live guard's folder (this process)
+    live.mkdir()
+    other = tmp_path / "gpufleet-ranks-notapid"
+    other.mkdir()
+    lines = RankLines(1)
+    try:
+        assert not list(tmp_path.glob(f"gpufleet-ranks-{guard.pid}-*"))
+        assert live.is_dir() and other.is_dir() and Path(lines.folder).is_dir()
+    finally:
+        lines.stop(drain=False)
+    assert not Path(lines.folder).exists()

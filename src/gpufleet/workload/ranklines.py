@@ -7,7 +7,8 @@ stderr into files of a private folder (``PET_REDIRECTS=3``, ``PET_LOG_DIR``: tor
 ``--redirects``/``--log-dir``, read from the environment), reads those files as they grow, and
 writes every complete line into the node's log with a ``[rank N] `` prefix, several lines in
 one write, never a partial one. When the command ends, what is left is written (a last line
-without a newline gets one) and the folder is removed.
+without a newline gets one) and the folder is removed; the folder of a guard killed with SIGKILL
+(named after its pid) is removed by the next guard that starts on the machine.
 
 ``N`` is the global rank, ``NODE_RANK * LOCAL_WORLD_SIZE + local rank``. Commands that do not
 start their ranks through torchrun (a single process, ``accelerate``, ``deepspeed``) write to
@@ -37,6 +38,49 @@ _LINE_MAX = 1 << 16
 _LINE_END = re.compile(rb"(\r\n|\n|\r)")  # "\r" alone: a progress bar redrawing its line
 
 
+_FOLDER_PREFIX = "gpufleet-ranks-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    try:  # a zombie holds its pid but nothing else
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def sweep_dead_folders(root: str | None = None) -> int:
+    """Remove the folders of guards that died without removing theirs (SIGKILL); returns how many.
+
+    A folder is named after its guard's pid (``gpufleet-ranks-PID-XXXX``); one whose guard is gone
+    is removed (folders of other users cannot be, and are left alone). A new pid that reuses a dead
+    guard's keeps its folder until that process has ended too.
+    """
+    root = root or tempfile.gettempdir()
+    removed = 0
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(_FOLDER_PREFIX):
+            continue
+        pid = name[len(_FOLDER_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(root, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed += not os.path.exists(path)
+    return removed
+
+
 class RankLines:
     """Copies torchrun's per-rank output files into ``out_fd``, one whole prefixed line at a time.
 
@@ -54,7 +98,8 @@ class RankLines:
         self.first_rank = first_rank
         self.mask = mask
         self.poll_s = poll_s
-        self.folder = tempfile.mkdtemp(prefix="gpufleet-ranks-")  # 0700
+        sweep_dead_folders()
+        self.folder = tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-")  # 0700
         self._files: dict[str, tuple[object, bytes, bytearray]] = {}  # path -> (file, prefix, partial line)
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
