@@ -90,6 +90,16 @@ def test_a_fifo_or_link_planted_as_a_lock_file_blocks_only_its_gpu_and_not_ps(se
     os.link(folder / "target", fifo)
     with pytest.raises(GPUUnavailableError, match="is a second link to another file"):
         acquire(GpuRequest(named=(0,), wait_s=0), Holder("run-b", "call"), gpus=fakes)
+    os.unlink(fifo)
+    # a folder of that name (seen: every caller failed with a LeaseDirError, ps said "no GPU")
+    _as(second_user, "/usr/bin/mkdir", "-m", "777", str(fifo))
+    done = _ps({})
+    assert done.returncode == 0, done.stderr
+    assert f"{fifo} is a folder, made by {second_user.name}" in done.stdout, done.stdout
+    with acquire(GpuRequest(count=None, wait_s=0), Holder("run-a", "call"), gpus=fakes) as lease:
+        assert lease.indices == (1,)
+    with pytest.raises(GPUUnavailableError, match=rf"GPU 0: its lock file {fifo} is a folder, made by {second_user.name}"):
+        acquire(GpuRequest(named=(0,), wait_s=0), Holder("run-b", "call"), gpus=fakes)
 
 
 def test_a_holder_record_with_terminal_escapes_is_printed_escaped(monkeypatch, tmp_path, capsys):
@@ -108,4 +118,47 @@ def test_a_holder_record_with_terminal_escapes_is_printed_escaped(monkeypatch, t
         os.close(fd)
     assert rc == 0, err
     assert "\x1b" not in out and "\r" not in out and "\u202e" not in out
-    assert "run x\\x1b[2J\\x1b[31mowned (call\\r, pid 1, user \\u202eevil" in out, out
+    # the record's pid and user are not this process's: the lock's are shown, the claim marked (escaped)
+    assert f"run x\\x1b[2J\\x1b[31mowned (call\\r, pid {os.getpid()}, user {leases.user_name()}" in out, out
+    assert "its lock record claims pid 1, user \\u202eevil, which the lock disproves" in out, out
+
+
+HOLD_AND_CLAIM = """
+import fcntl, json, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o666)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.ftruncate(fd, 0)
+os.write(fd, json.dumps({"run_id": "trusted-run", "kind": "call", "pid": 1, "user": "root", "since": time.time()}).encode())
+print("HELD", os.getpid(), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_holder_claiming_to_be_someone_else_is_shown_as_who_holds_the_lock(second_user, shared_tmp, monkeypatch,
+                                                                          tmp_path):  # fmt: skip
+    # seen: a user who held a GPU's lock wrote "user root, pid 1": ps and a waiter showed it as fact
+    folder = Path(shared_tmp) / "leases"
+    folder.mkdir()
+    os.chmod(folder, 0o1777)
+    monkeypatch.setenv("GPUFLEET_LEASE_DIR", str(folder))
+    monkeypatch.setenv("GPUFLEET_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("GPUFLEET_FAKE_GPUS", "1")
+    holder = second_user.run("/usr/bin/python3", "-c", HOLD_AND_CLAIM, str(folder / "gpu-GPU-fake-0000.lock"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    pid = None
+    try:
+        line = holder.stdout.readline()
+        assert line.startswith("HELD "), line + holder.stderr.read()
+        pid = int(line.split()[1])
+        done = _ps({})
+        assert done.returncode == 0, done.stderr
+        shown = f"run trusted-run (call, pid {pid}, user {second_user.name}, since"
+        assert shown in done.stdout and "its lock record claims pid 1, user root, which the lock disproves" in done.stdout, done.stdout
+        with pytest.raises(GPUUnavailableError) as info:
+            acquire(GpuRequest(count=1, wait_s=0), Holder("run-b", "call"), gpus=leases.list_gpus())
+        assert shown in str(info.value) and "claims pid 1, user root" in str(info.value), str(info.value)
+    finally:
+        if pid is not None:
+            os.kill(pid, 9)  # runuser's child: a kill of runuser does not reach it
+        holder.kill()
+        holder.communicate(timeout=30)

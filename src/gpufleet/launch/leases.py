@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import getpass
 import json
 import os
 import random
@@ -53,7 +52,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,11 +91,8 @@ def _owner(uid: int) -> str:
 
 
 def user_name() -> str:
-    """This process's user name (its uid when it has none)."""
-    try:
-        return getpass.getuser()
-    except Exception:  # noqa: BLE001 - no name for this uid (a container)
-        return str(os.geteuid())
+    """This process's user name, from its uid (not from $USER, which anyone can set); its uid when it has none."""
+    return _user_of(os.geteuid())
 
 
 def _fmt_time(ts: float) -> str:
@@ -123,13 +119,20 @@ class Holder:
     user: str = field(default_factory=user_name)
     since: float = field(default_factory=time.time)
     host: str = field(default_factory=socket.gethostname)
+    #: What the record said that the lock itself disproves (set by the reader, never written).
+    disputed: str = ""
 
     def describe(self) -> str:
+        note = f"; {self.disputed}" if self.disputed else ""
         if self.kind == "warm":
             return (f"idle warm ranks of run {self.run_id} (pid {self.pid}, user {self.user}; given back when a run "
-                    f"waits for them, or by `gpufleet cancel {self.run_id}`)")  # fmt: skip
+                    f"waits for them, or by `gpufleet cancel {self.run_id}`{note})")  # fmt: skip
         return (f"run {self.run_id} ({self.kind}, pid {self.pid}, user {self.user}, since "
-                f"{_fmt_time(self.since)}, {_fmt_age(time.time() - self.since)} ago)")  # fmt: skip
+                f"{_fmt_time(self.since)}, {_fmt_age(time.time() - self.since)} ago{note})")  # fmt: skip
+
+    def record(self) -> dict[str, Any]:
+        """What is written into the lock file."""
+        return {k: v for k, v in asdict(self).items() if k != "disputed"}
 
     @classmethod
     def parse(cls, data: bytes) -> Holder | None:
@@ -298,6 +301,10 @@ def _open_lock(path: Path) -> int:
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise _planted(path, "a symbolic link") from e
+            if e.errno == errno.EISDIR:
+                raise _planted(path, "a folder") from e
+            if e.errno == errno.ENXIO:  # a socket
+                raise _planted(path, "not a plain file") from e
             raise LeaseDirError(f"the GPU lock file {path} cannot be opened: {e.strerror}; the folder must be "
                                 f"writable by every user of the GPUs (chmod 1777), or set {LEASE_DIR_ENV}") from e  # fmt: skip
     if fd < 0:
@@ -310,14 +317,66 @@ def _open_lock(path: Path) -> int:
 
 
 def _read_holder(fd: int) -> Holder | None:
+    """The holder a held lock file names, checked against the lock itself.
+
+    Any user may write any record into a lock file they hold. The kernel knows which process took
+    the lock (``/proc/locks``) and that process's user: where they differ from the record, the
+    real ones are shown and the record's claim is marked as such. A lock whose process is gone
+    (ranks still holding an inherited lock) is shown as its record says.
+    """
     try:
-        return Holder.parse(os.pread(fd, _MAX_INFO, 0))
+        holder = Holder.parse(os.pread(fd, _MAX_INFO, 0))
     except OSError:
         return None
+    if holder is None:
+        return None
+    pid = _lock_pid(fd)
+    if pid is None:
+        return holder
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return holder
+    user = _user_of(uid)
+    if pid == holder.pid and user == holder.user:
+        return holder
+    claim = ", ".join(part for part, differs in ((f"pid {holder.pid}", pid != holder.pid),
+                                                 (f"user {holder.user}", user != holder.user)) if differs)  # fmt: skip
+    return replace(holder, pid=pid, user=user, disputed=f"its lock record claims {claim}, which the lock disproves")
+
+
+def _user_of(uid: int) -> str:
+    """A user's name as :func:`user_name` gives it (its uid when it has none)."""
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, ImportError):
+        return str(uid)
+
+
+def _lock_pid(fd: int) -> int | None:
+    """The process that holds the exclusive ``flock`` on ``fd``'s file (``/proc/locks``), or None."""
+    try:
+        st = os.fstat(fd)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 13740 fe:00:2146508 0 EOF" (a blocked waiter's line starts "1: ->")
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[3] == "WRITE" and parts[5] == where:
+            try:
+                return int(parts[4])
+            except ValueError:
+                return None
+    return None
 
 
 def _write_holder(fd: int, holder: Holder) -> None:
-    data = json.dumps(asdict(holder)).encode()
+    data = json.dumps(holder.record()).encode()
     with contextlib.suppress(OSError):  # a read-only lock file still locks; its holder is then unnamed
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
