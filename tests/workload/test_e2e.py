@@ -125,6 +125,28 @@ def test_cancel_mid_run_stops_every_process(project: Path, store: RunStore, caps
     assert again[0]["state"] == "CANCELED" and again[0]["canceled"] is False
 
 
+def test_a_run_removed_from_the_store_stops_and_its_supervisor_says_why(
+    project: Path, store: RunStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # seen: its supervisor ran the command to its end, invisible and uncancelable, its log
+    # repeating "heartbeat failed: 'NoneType' object is not subscriptable"
+    import sqlite3
+
+    rc, out, _ = cli(capsys, "run", "-f", str(project / "workload.yaml"), "--no-tracking",
+                     "--override", "parameters.sleep=300")  # fmt: skip
+    run_id = out.strip()
+    run = wait_state(store, run_id, ("RUNNING",))
+    wait_for_text(Path(run.run_dir) / "attempts" / "1" / "node-0.log", "started")
+    assert len(wait_no_processes(run_id, timeout=0)) >= 4
+    with sqlite3.connect(store.path) as db:
+        db.execute("DELETE FROM attempts WHERE run_id = ?", (run_id,))
+        db.execute("DELETE FROM runs WHERE id = ?", (run_id,))
+    assert wait_no_processes(run_id, timeout=60) == []  # supervisor, guard, torchrun and ranks
+    log = (Path(run.run_dir) / "supervisor.log").read_text()
+    assert f"gpufleet: stopped: run {run_id} is no longer in the run store" in log, log
+    assert "heartbeat failed" not in log, log
+
+
 RETRY = textwrap.dedent(
     """
     import os, pathlib, sys

@@ -62,7 +62,7 @@ from .nodes import (  # noqa: F401 - re-exported: the names this module had befo
 )
 from .records import touch_alive, write_run_outcome
 from .schema import WorkloadConfig
-from .store import HEARTBEAT_S, RunStore, StoreError, store_wait_s
+from .store import HEARTBEAT_S, RunNotFoundError, RunStore, StoreError, store_wait_s
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,13 @@ class Supervisor:
                 _, cancel = store.heartbeat(self.run.id)
                 if cancel:
                     self.cancel_event.set()
+            except RunNotFoundError as e:  # nobody could see, cancel or record it any more: stop
+                self.cancel_reason = (f"stopped: {e} (its record was removed), so it could no longer be listed, "
+                                      f"canceled or recorded")  # fmt: skip
+                self.log.write(f"gpufleet: {self.cancel_reason}\n")
+                self.log.flush()
+                self.cancel_event.set()
+                return
             except Exception as e:  # a locked database must not kill the run
                 self.log.write(f"gpufleet: heartbeat failed: {e}\n")
             self.log.flush()

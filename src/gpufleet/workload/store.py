@@ -439,11 +439,17 @@ class RunStore:
         )  # fmt: skip
 
     def heartbeat(self, run_id: str) -> tuple[str, bool]:
-        """Record that the supervisor is alive; returns the run's (state, cancel_requested)."""
+        """Record that the supervisor is alive; returns the run's (state, cancel_requested).
+
+        Raises:
+            RunNotFoundError: the run's record was removed from the store.
+        """
 
         def beat(db: sqlite3.Connection) -> tuple[str, bool]:
             db.execute("UPDATE runs SET heartbeat_at = ? WHERE id = ?", (time.time(), run_id))
             row = db.execute("SELECT state, cancel_requested FROM runs WHERE id = ?", (run_id,)).fetchone()
+            if row is None:
+                raise RunNotFoundError(f"run {run_id} is no longer in the run store {self.path}")
             return row["state"], bool(row["cancel_requested"])
 
         return self._call(beat, write=True)
