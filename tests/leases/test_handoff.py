@@ -7,6 +7,7 @@ in a driver call is) so that the window is as wide as the test wants, not a race
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -57,6 +58,17 @@ def callers(tmp_path: Path) -> Iterator[list[subprocess.Popen[str]]]:
         p.communicate(timeout=30)
 
 
+@pytest.fixture
+def ranks() -> Iterator[list[psutil.Process]]:
+    """Ranks of a caller the test kills: resumed and ended however the test ends."""
+    procs: list[psutil.Process] = []
+    yield procs
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.resume()
+            p.kill()
+
+
 def _start(callers: list, env: dict[str, str], script: Path, out: Path, name: str, hold_s: float) -> subprocess.Popen[str]:
     proc = subprocess.Popen([sys.executable, str(script), str(out), name, str(hold_s)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
@@ -75,28 +87,32 @@ def _wait_for(path_glob: Path, count: int, proc: subprocess.Popen[str], timeout:
         time.sleep(0.05)
 
 
-def test_a_sigkilled_callers_gpus_go_to_the_waiter_only_after_its_ranks_exit(tmp_path: Path, env, callers) -> None:
+def test_a_sigkilled_callers_gpus_go_to_the_waiter_only_after_its_ranks_exit(tmp_path: Path, env, callers, ranks) -> None:
     script = tmp_path / "caller.py"
     script.write_text(textwrap.dedent(CALLER))
     out = tmp_path / "marks"
     out.mkdir()
     a = _start(callers, env, script, out, "a", 600)
     ranks_a = [psutil.Process(int(p.read_text().split()[0])) for p in _wait_for(out / "a-rank*", 2, a)]
+    ranks.extend(ranks_a)
     b = _start(callers, env, script, out, "b", 0)
     assert b.stderr is not None
     waiting = b.stderr.readline()
     assert "waits for 2 GPUs" in waiting, waiting
-    for r in ranks_a:
-        r.suspend()  # ranks slow to exit: they outlive their caller as long as they are stopped
-    a.kill()
-    a.wait(30)
-    killed = time.time()
-    time.sleep(2.0)
-    assert not list(out.glob("b-rank*")), "the waiter started while the dead caller's ranks were still alive"
-    assert all(r.is_running() and r.status() == psutil.STATUS_STOPPED for r in ranks_a)
-    resumed = time.time()
-    for r in ranks_a:
-        r.resume()  # they see their caller gone and exit
+    try:
+        for r in ranks_a:
+            r.suspend()  # ranks slow to exit: they outlive their caller as long as they are stopped
+        a.kill()
+        a.wait(30)
+        killed = time.time()
+        time.sleep(2.0)
+        assert not list(out.glob("b-rank*")), "the waiter started while the dead caller's ranks were still alive"
+        assert all(r.is_running() and r.status() == psutil.STATUS_STOPPED for r in ranks_a)
+        resumed = time.time()
+    finally:
+        for r in ranks_a:
+            with contextlib.suppress(psutil.Error):
+                r.resume()  # they see their caller gone and exit
     gone, alive = psutil.wait_procs(ranks_a, timeout=30)
     assert not alive, alive
     marks_b = _wait_for(out / "b-rank*", 2, b)

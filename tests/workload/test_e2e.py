@@ -130,7 +130,10 @@ def test_a_run_removed_from_the_store_stops_and_its_supervisor_says_why(
 ) -> None:
     # seen: its supervisor ran the command to its end, invisible and uncancelable, its log
     # repeating "heartbeat failed: 'NoneType' object is not subscriptable"
+    import contextlib
     import sqlite3
+
+    import psutil
 
     rc, out, _ = cli(capsys, "run", "-f", str(project / "workload.yaml"), "--no-tracking",
                      "--override", "parameters.sleep=300")  # fmt: skip
@@ -141,7 +144,11 @@ def test_a_run_removed_from_the_store_stops_and_its_supervisor_says_why(
     with sqlite3.connect(store.path) as db:
         db.execute("DELETE FROM attempts WHERE run_id = ?", (run_id,))
         db.execute("DELETE FROM runs WHERE id = ?", (run_id,))
-    assert wait_no_processes(run_id, timeout=60) == []  # supervisor, guard, torchrun and ranks
+    left = wait_no_processes(run_id, timeout=60)  # supervisor, guard, torchrun and ranks
+    for p in left:  # a failed check must not leave the run behind
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    assert left == []
     log = (Path(run.run_dir) / "supervisor.log").read_text()
     assert f"gpufleet: stopped: run {run_id} is no longer in the run store" in log, log
     assert "heartbeat failed" not in log, log
