@@ -29,13 +29,17 @@ and the default gives way to a private folder (``$GPUFLEET_HOME/gpu-leases``, wi
 that user's runs are then seen only through NVML). Lock files are ``0666`` so that any user can
 lock them and write their holder; a lock file is opened without following symlinks, without
 blocking (a FIFO) and used only when it is a plain file with a single link. One that is not (a
-link, a FIFO, a second link, one its maker keeps unreadable) makes its GPU busy, naming who
-made it, instead of failing every lease; only its maker or root can remove it. What a holder
-record says is escaped before it is printed (:func:`gpufleet.printable.printable`). With fake GPUs (``GPUFLEET_FAKE_GPUS``, the test override of discovery) the
+link, a folder, a FIFO, a second link, one its maker keeps unreadable) makes its GPU busy,
+naming who made it, instead of failing every lease; only its maker or root can remove it. What a
+holder record says is escaped before it is printed (:func:`gpufleet.printable.printable`), and
+its pid and user are checked against the process that holds the lock (``/proc/locks``). The
+processes that use the GPUs inherit the lock (``GpuLease.fds``), so it outlives a caller killed
+with SIGKILL until its ranks are gone. With fake GPUs (``GPUFLEET_FAKE_GPUS``, the test override of discovery) the
 default folder is ``$GPUFLEET_HOME/gpu-leases-fake``, so test sessions do not share fake GPUs.
 
-One concern past 400 lines: the lease protocol itself (lock files, holders, waiting, the want
-files of waiting runs and who-holds-what messages), kept whole so that its locking rules are read in one place.
+One concern past 400 lines: the lease protocol itself (lock files, holders and their check
+against the lock, waiting, the want files of waiting runs and who-holds-what messages), kept
+whole so that its locking rules are read in one place.
 """
 
 from __future__ import annotations

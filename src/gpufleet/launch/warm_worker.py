@@ -139,14 +139,15 @@ def serve(control_dir: Path, rank: int) -> int:
 OWNER_LOCK = "owner.lock"
 
 
-def remove_control_dir_if_orphaned(control_dir: Path, parent_pid: int | None, wait_s: float = 0.5) -> bool:
+def remove_control_dir_if_orphaned(control_dir: Path, parent_pid: int | None, wait_s: float = 2.0) -> bool:
     """After the job pipe closed: remove the control folder when the caller is gone (True if removed).
 
     A caller that stops its ranks keeps holding ``owner.lock`` (it removes the folder itself once
     they are gone, and stops them with SIGTERM right after closing the pipe); a caller that died
     (a kernel killed with SIGKILL) holds nothing, and its ranks saw the pipe close before their
     parent watch would have noticed. The kernel drops the lock and closes the pipe in the same
-    exit, in an order of its own, so this looks for up to ``wait_s``.
+    exit, in an order of its own, so this looks for up to ``wait_s`` (a stop's SIGTERM, sent right
+    after the pipe closes, ends the rank sooner: the wait never delays a stop).
     """
     deadline = time.monotonic() + wait_s
     while True:
