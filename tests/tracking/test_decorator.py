@@ -83,6 +83,31 @@ def test_call_logs_params_rank0_metrics_system_metrics_and_logs(client: MlflowCl
     assert "hello from rank 1" in text
 
 
+def log_a_metric_in_the_background() -> int:
+    import os
+    import time
+
+    import mlflow
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    if os.environ["RANK"] == "0":
+        write = SqlAlchemyStore.log_batch
+
+        def slow(self, *args, **kwargs):  # a tracking store that takes its time (a loaded machine, a far server)
+            time.sleep(2.0)
+            return write(self, *args, **kwargs)
+
+        SqlAlchemyStore.log_batch = slow
+        mlflow.log_metric("late", 1.0, step=0, synchronous=False)
+    return 0
+
+
+def test_what_a_rank_logged_in_the_background_is_in_mlflow_when_the_result_returns(client: MlflowClient) -> None:
+    handle = distributed(log_a_metric_in_the_background, experiment_name=_experiment(), **CPU).submit()
+    assert handle.result(timeout=120) == [0, 0]
+    assert [m.value for m in client.get_metric_history(handle.mlflow_run_id, "late")] == [1.0]
+
+
 def test_failed_attempt_and_retry_each_get_a_run(client: MlflowClient) -> None:
     def flaky() -> int:
         import os

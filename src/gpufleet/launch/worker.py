@@ -141,6 +141,7 @@ def run_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rank: int
     try:
         value = func(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - SystemExit too: the caller must hear of it
+        _flush_tracking()
         _write(outcome_path, ERROR, rank, **_describe_exception(exc))
         _destroy_process_group()
         return False
@@ -158,10 +159,37 @@ def run_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rank: int
         _destroy_process_group()
         return False
     del value
+    _flush_tracking()
     ok = _write(outcome_path, OK, rank, value=value_bytes)
     _last_barrier()
     _destroy_process_group()
     return ok
+
+
+def _flush_tracking(timeout_s: float = 10.0) -> None:
+    """Write what the function logged to MLflow in the background before its outcome; at most ``timeout_s``.
+
+    A caller that reads the run in MLflow once it has the result then finds every metric the
+    ranks logged (``synchronous=False``, gpufleet's data-wait window), as it would after a rank's
+    exit; a slow tracking server delays the result by the bound at most, and never fails it.
+    Nothing happens in a rank that never imported MLflow.
+    """
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is None:
+        return
+    data_wait = sys.modules.get("gpufleet.tracking.data_wait")  # loaded only when the rank used it
+
+    def flush() -> None:
+        try:
+            if data_wait is not None:
+                data_wait.flush_data_wait()
+            mlflow.flush_async_logging()
+        except Exception:  # noqa: BLE001 - tracking never fails a call
+            pass
+
+    thread = threading.Thread(target=flush, name="gpufleet-flush-tracking", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
 
 
 def _last_barrier(timeout_s: float = 60.0) -> None:
