@@ -172,18 +172,22 @@ def _flush_tracking(timeout_s: float = 10.0) -> None:
     A caller that reads the run in MLflow once it has the result then finds every metric the
     ranks logged (``synchronous=False``, gpufleet's data-wait window), as it would after a rank's
     exit; a slow tracking server delays the result by the bound at most, and never fails it.
-    Nothing happens in a rank that never imported MLflow.
+    Nothing happens in a rank that logged nothing in the background (no store is opened for it).
     """
     mlflow = sys.modules.get("mlflow")
     if mlflow is None:
         return
     data_wait = sys.modules.get("gpufleet.tracking.data_wait")  # loaded only when the rank used it
+    queued = any(t.name == "MLflowAsyncLoggingLoop" for t in threading.enumerate())  # MLflow's async logging is on
+    if data_wait is None and not queued:
+        return
 
     def flush() -> None:
         try:
             if data_wait is not None:
-                data_wait.flush_data_wait()
-            mlflow.flush_async_logging()
+                data_wait.flush_data_wait()  # its window, and MLflow's queue when it logged
+            if queued:
+                mlflow.flush_async_logging()
         except Exception:  # noqa: BLE001 - tracking never fails a call
             pass
 
