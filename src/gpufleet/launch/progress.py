@@ -258,6 +258,26 @@ def _private(path: str, flags: int) -> int:
     return os.open(path, flags, 0o600)
 
 
+def signal_main_thread(pid: int, sig: int) -> None:
+    """Send ``sig`` to the first thread of process ``pid`` (its main thread, where the user's code runs).
+
+    A signal sent to the whole process is taken by any of its threads. For a process stopped by
+    SIGSTOP, that is whichever thread the kernel wakes first on SIGCONT: the dump is then written
+    while the main thread already runs on, and shows a line past the one it was stopped at. A
+    signal pending on the main thread runs its handler before that thread runs a single Python line
+    more. Raises ProcessLookupError when the process is gone.
+    """
+    import ctypes
+
+    try:
+        tgkill = ctypes.CDLL(None, use_errno=True).tgkill  # glibc 2.30 and later
+    except AttributeError:
+        os.kill(pid, sig)
+        return
+    if tgkill(pid, pid, sig) != 0:
+        os.kill(pid, sig)  # its main thread has exited while others run on: the process takes it
+
+
 def request_stacks(pid: int, stacks_file: Path, timeout_s: float = 3.0) -> str | None:
     """Have a rank (whose stack handler is in place) dump every thread's stack; the new text, or None.
 
@@ -266,7 +286,7 @@ def request_stacks(pid: int, stacks_file: Path, timeout_s: float = 3.0) -> str |
     """
     size = stacks_file.stat().st_size if stacks_file.exists() else 0
     try:
-        os.kill(pid, STACKS_SIGNAL)
+        signal_main_thread(pid, STACKS_SIGNAL)
     except ProcessLookupError:
         return None
     deadline = time.monotonic() + timeout_s
