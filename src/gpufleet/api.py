@@ -265,7 +265,7 @@ class DistributedFunction:
             slurm = slurm_placement(opts.gpus, opts.gpu_type, opts.slurm)
 
             def make_group(attempt: int) -> WorkerGroup:
-                attempt_env = {**faults_env(opts.faults, attempt + 1), **env}
+                attempt_env = {**faults_env(opts.faults, attempt), **env}
                 spec = LaunchSpec(new_run_id(name), slurm.world_size, slurm.num_nodes, slurm.use_gpus,
                                   attempt=attempt, env=attempt_env, payload=payload)  # fmt: skip
                 return SlurmWorkerGroup(spec, RunDir.create(opts.runs_dir, spec.run_id), slurm, logs)
@@ -275,7 +275,7 @@ class DistributedFunction:
             ray_placement = RayPlacement(str(remote), opts.gpus, opts.gpu_type, dict(opts.ray_init_kwargs))
 
             def make_group(attempt: int) -> WorkerGroup:
-                attempt_env = {**faults_env(opts.faults, attempt + 1), **env}
+                attempt_env = {**faults_env(opts.faults, attempt), **env}
                 spec = LaunchSpec(new_run_id(name), 0, attempt=attempt, env=attempt_env, payload=payload)
                 return RayWorkerGroup(spec, RunDir.create(opts.runs_dir, spec.run_id), ray_placement, logs)
         else:
@@ -298,7 +298,7 @@ class DistributedFunction:
             def make_group(attempt: int) -> WorkerGroup:
                 spec = LaunchSpec(
                     new_run_id(name), found.num_workers, use_gpus=found.use_gpus, attempt=attempt,
-                    env={**faults_env(opts.faults, attempt + 1), **env}, payload=payload,
+                    env={**faults_env(opts.faults, attempt), **env}, payload=payload,
                 )
                 run_dir = RunDir.create(opts.runs_dir, spec.run_id)
                 if keep_warm > 0:

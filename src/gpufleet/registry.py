@@ -233,12 +233,12 @@ class CallRecorder(ControllerCallback):
         now = time.time()
         record = RunRecord(
             id=run_id, experiment=self._name, state=PENDING, created_at=now,
-            config={**self._config, "attempt": attempt + 1, "call_id": self._call_id},
+            config={**self._config, "attempt": attempt, "call_id": self._call_id},
             run_dir=str(group.run_dir.path), num_nodes=group.num_nodes or 1, world_size=group.num_ranks,
             max_attempts=self._max_attempts, tracking=self._tracking, supervisor_pid=origin["pid"],
             supervisor_started=origin["pid_started"], kind="call", origin=origin,
         )  # fmt: skip
-        first = AttemptRecord(run_id=run_id, attempt=attempt + 1, state=PENDING, started_at=now,
+        first = AttemptRecord(run_id=run_id, attempt=attempt, state=PENDING, started_at=now,
                               log_dir=str(group.run_dir.path))  # fmt: skip
 
         def create() -> None:
@@ -259,13 +259,13 @@ class CallRecorder(ControllerCallback):
         elif group.mlflow_run_id:
             db = self._store
             self._try(group.run_id, "the MLflow run",
-                      lambda: db.update_attempt(group.run_id, attempt + 1, mlflow_run_id=group.mlflow_run_id))  # fmt: skip
+                      lambda: db.update_attempt(group.run_id, attempt, mlflow_run_id=group.mlflow_run_id))  # fmt: skip
 
     def _mark_running(self, db: RunStore, group: WorkerGroup) -> None:
         now = time.time()
         pids = group.pids
         nodes = [{"node_rank": r, "rank": r, "pid": pid, "log_path": str(group.log_path(r))} for r, pid in enumerate(pids)]
-        attempt = int(getattr(group.spec, "attempt", 0)) + 1
+        attempt = int(getattr(group.spec, "attempt", 1))
 
         def mark() -> None:
             db.update_run(group.run_id, state=RUNNING, started_at=now, world_size=group.num_ranks,
@@ -289,7 +289,7 @@ class CallRecorder(ControllerCallback):
         db = self._store.with_wait(max(self._store.wait_s, END_WAIT_S))
         if group.mlflow_run_id:  # a local call's MLflow run opens while its ranks start
             self._try(group.run_id, "the MLflow run",
-                      lambda: db.update_attempt(group.run_id, attempt + 1, mlflow_run_id=group.mlflow_run_id))  # fmt: skip
+                      lambda: db.update_attempt(group.run_id, attempt, mlflow_run_id=group.mlflow_run_id))  # fmt: skip
         if not self._try(group.run_id, "the end", lambda: db.finish_run(group.run_id, state, message=message)):
             from .workload.records import write_run_outcome
 
@@ -314,7 +314,7 @@ class CallRecorder(ControllerCallback):
         while not stop.wait(POLL_S):
             if group.mlflow_run_id and group.mlflow_run_id != mlflow_run_id and running:
                 mlflow_run_id = group.mlflow_run_id
-                attempt = int(getattr(group.spec, "attempt", 0)) + 1
+                attempt = int(getattr(group.spec, "attempt", 1))
                 self._try(group.run_id, "the MLflow run",
                           lambda a=attempt, m=mlflow_run_id: db.update_attempt(group.run_id, a, mlflow_run_id=m))  # fmt: skip
             try:

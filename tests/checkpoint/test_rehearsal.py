@@ -28,7 +28,7 @@ def test_kill_rank_1_at_step_30_resumes_from_the_last_checkpoint_and_ends_bit_id
     )
     after = rehearsed.distributed(str(tmp_path / "ckpt"), str(data_dir), 40, save_every=10)
 
-    assert [r["attempt"] for r in after] == ["1", "1"]  # the retry finished the run
+    assert [r["attempt"] for r in after] == ["2", "2"]  # the retry (attempt 2) finished the run
     assert [r["resumed"] for r in after] == [20, 20]  # the newest complete checkpoint before the kill
     assert [r["step"] for r in after[0]["records"]] == list(range(21, 41))
     for rank in range(2):
@@ -41,5 +41,5 @@ def test_kill_rank_1_at_step_30_resumes_from_the_last_checkpoint_and_ends_bit_id
     client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     exp = client.get_experiment_by_name(experiment)
     runs = client.search_runs([exp.experiment_id], order_by=["attribute.start_time ASC"])
-    assert [r.data.params["gpufleet.attempt"] for r in runs] == ["0", "1"]
+    assert [r.data.params["gpufleet.attempt"] for r in runs] == ["1", "2"]
     assert [r.info.status for r in runs] == ["FAILED", "FINISHED"]

@@ -46,9 +46,9 @@ def test_max_retries_relaunches_and_resumes_from_the_newest_checkpoint(
     retrying = train_on_2.with_overrides(max_retries=1)
     after = retrying.distributed(
         str(ckpt), str(data_dir), TOTAL, save_every=2, stop_after=N, kill_after_stop=True,
-        kill_only_on_attempt="0", record_dir=str(records), tag="retry",
+        kill_only_on_attempt="1", record_dir=str(records), tag="retry",
     )
-    assert [r["attempt"] for r in after] == ["1", "1"]
+    assert [r["attempt"] for r in after] == ["2", "2"]
     assert [r["resumed"] for r in after] == [N, N]
     before = [json.loads((records / f"retry-rank{r}.json").read_text()) for r in range(2)]
     assert_same_as_straight(straight, before, after)

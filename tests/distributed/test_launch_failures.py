@@ -365,7 +365,7 @@ _ATTEMPTS_FILE_ENV = "GPUFLEET_TEST_ATTEMPT_FILE"
 
 
 def _fail_first_attempt():
-    if os.environ["GPUFLEET_ATTEMPT"] == "0":
+    if os.environ["GPUFLEET_ATTEMPT"] == "1":
         raise ConnectionError("transient failure")
     return int(os.environ["GPUFLEET_ATTEMPT"])
 
@@ -377,7 +377,7 @@ def _fail_then_hang(marks: str):
     attempt = os.environ["GPUFLEET_ATTEMPT"]
     with open(os.path.join(marks, f"attempt-{attempt}-rank-{runtime.get_global_rank()}"), "w") as f:
         f.write(repr(time.time()))
-    if attempt == "0":
+    if attempt == "1":
         time.sleep(_FIRST_ATTEMPT_S)
         raise ConnectionError("transient failure")
     time.sleep(120)
@@ -398,12 +398,12 @@ def test_the_timeout_is_for_the_whole_call_not_for_each_retry(tmp_path, caplog):
     # per attempt would come no sooner than the first attempt's 6 s plus a whole timeout after
     # the first attempt began; the call's deadline comes at most a timeout after it.
     stopped = min(f.time for f in info.value.failures.values())
-    first = min(t for name, t in marks.items() if name.startswith("attempt-0"))
+    first = min(t for name, t in marks.items() if name.startswith("attempt-1-"))
     assert stopped < first + timeout + _FIRST_ATTEMPT_S, (stopped - first)
 
 
 def test_max_retries_relaunches_after_a_failure():
-    assert distributed(max_retries=1, **cpu2)(_fail_first_attempt).distributed() == [1, 1]
+    assert distributed(max_retries=1, **cpu2)(_fail_first_attempt).distributed() == [2, 2]
     with pytest.raises(ConnectionError):
         distributed(max_retries=0, **cpu2)(_fail_first_attempt).distributed()
 

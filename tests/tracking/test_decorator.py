@@ -69,7 +69,7 @@ def test_call_logs_params_rank0_metrics_system_metrics_and_logs(client: MlflowCl
     params = run.data.params
     assert params["gpufleet.function"] == "train"
     assert params["gpufleet.world_size"] == "2" and params["gpufleet.gpus"] == "2"
-    assert params["gpufleet.gpu_type"] == "cpu" and params["gpufleet.attempt"] == "0"
+    assert params["gpufleet.gpu_type"] == "cpu" and params["gpufleet.attempt"] == "1"
     assert run.data.tags["gpufleet.run_id"] == handle.run_id
     assert run.data.tags["gpufleet.status"] == "SUCCESS"
     history = client.get_metric_history(run_id, "loss")
@@ -112,7 +112,7 @@ def test_failed_attempt_and_retry_each_get_a_run(client: MlflowClient) -> None:
     def flaky() -> int:
         import os
 
-        if os.environ["GPUFLEET_ATTEMPT"] == "0" and os.environ["RANK"] == "1":
+        if os.environ["GPUFLEET_ATTEMPT"] == "1" and os.environ["RANK"] == "1":
             raise RuntimeError("first attempt breaks on rank 1")
         return 7
 
@@ -121,7 +121,7 @@ def test_failed_attempt_and_retry_each_get_a_run(client: MlflowClient) -> None:
     assert f.distributed() == [7, 7]
     first, second = _runs(client, exp)
     assert (first.info.status, first.data.tags["gpufleet.status"]) == ("FAILED", "FAILED")
-    assert first.data.params["gpufleet.attempt"] == "0" and second.data.params["gpufleet.attempt"] == "1"
+    assert first.data.params["gpufleet.attempt"] == "1" and second.data.params["gpufleet.attempt"] == "2"
     assert second.info.status == "FINISHED"
     error = mlflow.artifacts.load_text(f"{first.info.artifact_uri}/error.txt")
     assert "RuntimeError: first attempt breaks on rank 1" in error and "raised on rank 1" in error

@@ -117,8 +117,11 @@ class Recorder(ControllerCallback):
 
 
 def make(tmp_path, scripts, clock=None, **kwargs):
-    """A controller whose attempt ``n`` replays ``scripts[n]``; returns it and the groups made."""
+    """A controller whose attempt ``n`` (from 1) replays ``scripts[n]`` (a list: its ``n``-th item);
+    returns it and the groups made."""
     clock = clock or FakeClock()
+    if isinstance(scripts, list):
+        scripts = dict(enumerate(scripts, 1))
     groups: list[FakeGroup] = []
 
     def make_group(attempt: int) -> FakeGroup:
@@ -139,7 +142,7 @@ def test_success_returns_values_in_rank_order_and_calls_every_hook(tmp_path):
     assert c.run() == ["a", "b"]
     assert c.state == SUCCESS and c.finished.is_set()
     assert groups[0].stops == [] and groups[0].closed == [True]
-    assert rec.events == [("before", 0), ("after", 0, "m0"), ("end", 0, "SUCCESS", None)]
+    assert rec.events == [("before", 1), ("after", 1, "m1"), ("end", 1, "SUCCESS", None)]
 
 
 def test_first_failure_settles_then_stops_and_groups_the_same_error(tmp_path):
@@ -228,7 +231,7 @@ def test_retry_with_time_left_runs_a_new_attempt(tmp_path):
     )
     assert c.run() == ["a", "b"]
     assert len(groups) == 2 and groups[0].run_id != groups[1].run_id
-    assert [e for e in rec.events if e[0] == "end"] == [("end", 0, "FAILED", "WorkerExitError"), ("end", 1, "SUCCESS", None)]
+    assert [e for e in rec.events if e[0] == "end"] == [("end", 1, "FAILED", "WorkerExitError"), ("end", 2, "SUCCESS", None)]
 
 
 def test_a_calls_timeout_covers_its_retries(tmp_path):
@@ -266,7 +269,7 @@ def test_retries_are_not_spent_on_a_cancel_or_a_timeout(tmp_path):
 def test_workload_policy_retries_a_timeout_with_a_fresh_deadline(tmp_path):
     c, groups, _ = make(
         tmp_path, {1: [], 2: [[ok(0, None), ok(1, None)]]}, max_retries=1, timeout_s=0.3,
-        timeout_per_attempt=True, retry_on=(FAILED, TIMEDOUT), first_attempt=1,
+        timeout_per_attempt=True, retry_on=(FAILED, TIMEDOUT),
     )
     assert c.run() == [None, None]
     assert len(groups) == 2 and c.attempt == 2
@@ -291,7 +294,7 @@ def test_keyboard_interrupt_stops_every_rank_and_is_raised_again(tmp_path, capsy
     assert c.state == CANCELED and isinstance(c.error, RunCanceledError)
     assert groups[0].stops[0][1] == 2.0  # at most 2 s of grace after Ctrl-C
     assert "interrupted; stopping all 2 ranks" in capsys.readouterr().err
-    assert rec.events[-1] == ("end", 0, "CANCELED", "RunCanceledError")
+    assert rec.events[-1] == ("end", 1, "CANCELED", "RunCanceledError")
 
 
 def test_a_wrong_setting_raises_at_start_and_ends_the_run_failed(tmp_path):
@@ -303,7 +306,7 @@ def test_a_wrong_setting_raises_at_start_and_ends_the_run_failed(tmp_path):
     with pytest.raises(LaunchConfigError, match="4 GPUs"):
         c.start()
     assert c.state == FAILED and c.finished.is_set() and groups[0].closed == [False]
-    assert rec.events[-1] == ("end", 0, "FAILED", "LaunchConfigError")
+    assert rec.events[-1] == ("end", 1, "FAILED", "LaunchConfigError")
 
 
 def test_a_broken_launcher_fails_the_run_with_its_reason(tmp_path):
@@ -354,7 +357,7 @@ def test_a_group_that_gives_up_starting_ends_canceled_and_says_so(tmp_path):
     with pytest.raises(RunCanceledError, match="canceled by the user.*before its ranks started"):
         c.start()
     assert c.state == CANCELED and groups[0].closed == [False]
-    assert rec.events[-1] == ("end", 0, "CANCELED", "RunCanceledError")
+    assert rec.events[-1] == ("end", 1, "CANCELED", "RunCanceledError")
 
 
 def test_a_per_attempt_deadline_starts_once_the_ranks_started(tmp_path):
@@ -365,7 +368,7 @@ def test_a_per_attempt_deadline_starts_once_the_ranks_started(tmp_path):
 
     c, _, _ = make(
         tmp_path, {1: lambda p, clock: SlowStart(p, clock, [[]] * 10 + [[ok(0, None), ok(1, None)]])},
-        timeout_s=5.0, timeout_per_attempt=True, first_attempt=1,
+        timeout_s=5.0, timeout_per_attempt=True,
     )
     assert c.run() == [None, None]
 

@@ -16,7 +16,15 @@ import pytest
 from gpufleet import distributed
 from gpufleet.errors import GPUUnavailableError, RunCanceledError
 from gpufleet.workload.store import RunStore
-from tests.workload.helpers import REPO, cli, cli_json, cli_process, wait_no_processes, wait_state
+from tests.workload.helpers import (
+    REPO,
+    cli,
+    cli_json,
+    cli_process,
+    wait_no_processes,
+    wait_state,
+    write_workload,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -292,3 +300,28 @@ def test_idle_warm_ranks_are_named_and_give_their_gpus_to_a_waiting_run_or_to_ca
     finally:
         warm.shutdown()
     wait_free()
+
+
+@distributed(gpus=2, gpu_type="cpu", stream_logs=False, max_retries=1, grace_period_s=1.0)
+def fails_on_attempt_1() -> str:
+    import os
+
+    if os.environ["GPUFLEET_ATTEMPT"] == "1":
+        raise ConnectionError("the first attempt breaks")
+    return os.environ["GPUFLEET_ATTEMPT"]
+
+
+def test_a_call_numbers_its_attempts_from_1_as_a_workload_does(
+    tmp_path: Path, store: RunStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    handle = fails_on_attempt_1.submit()
+    assert handle.result(120) == ["2", "2"]  # GPUFLEET_ATTEMPT of the retry
+    calls = cli_json(capsys, "list", "--name", "fails_on_attempt_1", "--all-status")
+    numbers = sorted((a["attempt"], r["state"]) for r in calls for a in cli_json(capsys, "get", r["id"])["attempts"])
+    assert numbers == [(1, "FAILED"), (2, "SUCCESS")]
+    wl = write_workload(tmp_path, max_retries=1, command='[ "$GPUFLEET_ATTEMPT" = 2 ] || exit 3')
+    rc, out, err = cli(capsys, "run", "-f", str(wl))
+    assert rc == 0, err
+    assert wait_state(store, out.strip()).state == "SUCCESS"
+    run = cli_json(capsys, "get", out.strip())
+    assert [(a["attempt"], a["state"]) for a in run["attempts"]] == [(1, "FAILED"), (2, "SUCCESS")]

@@ -109,7 +109,8 @@ class Controller:
     """Runs attempts of one worker group until one succeeds or no retry is left.
 
     Args:
-        make_group: builds the worker group of attempt ``n`` (not started).
+        make_group: builds the worker group of attempt ``n`` (not started). Attempts are numbered
+            from 1, for calls and workloads alike (``GPUFLEET_ATTEMPT``, the run store, MLflow).
         timeout_s: seconds for the whole run (or for each attempt, see ``timeout_per_attempt``);
             None for no limit.
         grace_period_s: how long ranks may take to stop after SIGTERM.
@@ -118,7 +119,6 @@ class Controller:
         timeout_per_attempt: the deadline restarts with every attempt (workloads) instead of
             covering the whole run (calls).
         callbacks: hooks around each attempt.
-        first_attempt: the number of the first attempt (calls count from 0, workloads from 1).
         timeout_subject: how the timeout error names what ran out of time ("the call").
         hang_timeout_s: the hang watchdog's long limit: stop the attempt with a diagnosis once no
             rank made progress (collectives, steps) for this long; None: off. It arms once a rank
@@ -139,7 +139,6 @@ class Controller:
         retry_on: Sequence[RunState] = (FAILED,),
         timeout_per_attempt: bool = False,
         callbacks: Sequence[ControllerCallback] = (),
-        first_attempt: int = 0,
         timeout_subject: str = "the call",
         hang_timeout_s: float | None = None,
         poll_s: float = 0.02,
@@ -153,7 +152,6 @@ class Controller:
         self._retry_on = tuple(retry_on)
         self._timeout_per_attempt = timeout_per_attempt
         self._callbacks = list(callbacks)
-        self._first_attempt = first_attempt
         self._timeout_subject = timeout_subject
         self._hang_timeout_s = hang_timeout_s
         self.watchdog: Watchdog | None = None
@@ -165,7 +163,7 @@ class Controller:
         self._deadline: float | None = None if timeout_s is None else clock() + timeout_s
         self._cancel: tuple[str, float | None] | None = None
         self._lock = threading.Lock()
-        self.attempt = first_attempt
+        self.attempt = 1
         self.group: WorkerGroup | None = None
         self.state: RunState = PENDING
         self.finished = threading.Event()
@@ -220,7 +218,7 @@ class Controller:
                 self.attempt += 1
                 logger.warning(
                     "run %s ended %s; retry %d of %d",
-                    self.group.run_id, result.state, self.attempt - self._first_attempt, self._max_retries,
+                    self.group.run_id, result.state, self.attempt - 1, self._max_retries,
                 )
                 try:
                     self._begin_attempt()
@@ -438,7 +436,7 @@ class Controller:
         if getattr(self.group, "preempted", None) and self.preemptions < MAX_PREEMPTIONS:
             self.preemptions += 1  # the scheduler took the nodes back: resubmit, not a failure of the run
             return True
-        if self.attempt - self._first_attempt - self.preemptions >= self._max_retries:
+        if self.attempt - 1 - self.preemptions >= self._max_retries:
             return False
         left = self.time_left()
         if not self._timeout_per_attempt and left is not None and left < MIN_RETRY_S:

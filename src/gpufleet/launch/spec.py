@@ -128,7 +128,7 @@ class LaunchSpec:
         world_size: total number of ranks.
         num_nodes: nodes the ranks span.
         use_gpus: ranks use GPUs (else ``CUDA_VISIBLE_DEVICES`` is emptied).
-        attempt: the attempt number (``GPUFLEET_ATTEMPT``).
+        attempt: the attempt number, from 1 (``GPUFLEET_ATTEMPT``).
         env: extra environment for every rank (the user's ``env``, tracking's ``MLFLOW_*``).
         payload: the call every rank runs; None for a workload's node commands.
     """
@@ -137,7 +137,7 @@ class LaunchSpec:
     world_size: int
     num_nodes: int = 1
     use_gpus: bool = False
-    attempt: int = 0
+    attempt: int = 1
     env: Mapping[str, str] = field(default_factory=dict)
     payload: Payload | None = None
 

@@ -115,8 +115,8 @@ def _gpus_table(snap: Snapshot) -> str:
 
 def _header(snap: Snapshot) -> str:
     bits = [f"<b>gpufleet</b> run <code>{escape(snap.run_id)}</code>"]
-    if snap.attempt:
-        bits.append(f"attempt {snap.attempt + 1}")
+    if snap.attempt > 1:
+        bits.append(f"attempt {snap.attempt}")
     bits.append(_badge(snap.state, _RUN_COLOURS.get(snap.state, "#888")))
     bits.append(f'<span data-gpufleet-elapsed="{snap.elapsed_s:.1f}">{fmt_seconds(snap.elapsed_s)}</span>')
     if snap.state == "RUNNING":

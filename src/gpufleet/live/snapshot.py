@@ -191,7 +191,7 @@ class RunWatcher:
         run_id: the attempt's run id.
         folder: its run folder (progress records, metrics, logs).
         num_ranks: how many ranks it has.
-        attempt: the attempt's number, shown when > 0.
+        attempt: the attempt's number, shown from the second one.
         log_path: where rank R's log is (default ``folder/rank-R.log``).
         gpu_indices: the physical GPUs of the run on this machine (NVML); empty on CPU.
         pids: the ranks' process ids on this machine, in rank order (CPU share and memory).
@@ -199,7 +199,7 @@ class RunWatcher:
     """
 
     def __init__(
-        self, run_id: str, folder: Path, num_ranks: int, *, attempt: int = 0,
+        self, run_id: str, folder: Path, num_ranks: int, *, attempt: int = 1,
         log_path: Callable[[int], Path] | None = None, gpu_indices: Sequence[int] = (),
         pids: Sequence[int] = (), clock: Callable[[], float] = time.time,
     ) -> None:  # fmt: skip

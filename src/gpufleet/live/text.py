@@ -46,8 +46,8 @@ def progress_parts(snap: Snapshot) -> list[str]:
     n = len(snap.ranks)
     states = [f"{counts[s]} {s}" for s in (STARTING, RUNNING, DONE, FAILED, "stopped") if counts.get(s)]
     parts = [f"{n} ranks: " + ", ".join(states) if states else f"{n} ranks"]
-    if snap.attempt:
-        parts.append(f"attempt {snap.attempt + 1}")
+    if snap.attempt > 1:
+        parts.append(f"attempt {snap.attempt}")
     if any(r.state != STARTING for r in snap.ranks):
         parts.append(f"step {snap.step}/{snap.total}" if snap.total else f"step {snap.step}")
         if snap.rate is not None and counts.get(RUNNING):

@@ -262,7 +262,6 @@ class Supervisor:
             retry_on=(FAILED, TIMEDOUT),  # every end but SUCCESS and CANCELED
             timeout_per_attempt=True,
             callbacks=callbacks,
-            first_attempt=1,
             timeout_subject="the attempt",
             hang_timeout_s=self.config.hang_timeout_minutes * 60 if self.config.hang_timeout_minutes else None,
             poll_s=_POLL_S,
