@@ -19,6 +19,9 @@ STATE=${GPUFLEET_SLURM_DIR:-/tmp/gpufleet-slurm}
 PORT=${GPUFLEET_SLURM_PORT:-16817}
 CONF=$STATE/slurm.conf
 NODES=(node1 node2)
+# Seconds a job of the default partition gets between the preemption signal (SIGTERM) and SIGKILL
+# when a job of the "urgent" partition takes its nodes.
+GRACE=${GPUFLEET_SLURM_GRACE_S:-30}
 PY=/usr/bin/python3
 [ -x "$PY" ] || PY=$(command -v python3)
 
@@ -82,7 +85,10 @@ JobRequeue=1
 SrunPortRange=60001-60999
 NodeName=node1 NodeHostname=$host NodeAddr=127.0.0.1 Port=$((PORT + 1)) CPUs=$cpus RealMemory=1000 State=UNKNOWN
 NodeName=node2 NodeHostname=$host NodeAddr=127.0.0.1 Port=$((PORT + 2)) CPUs=$cpus RealMemory=1000 State=UNKNOWN
-PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+PreemptType=preempt/partition_prio
+PreemptMode=CANCEL
+PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=1 PreemptMode=CANCEL GraceTime=$GRACE
+PartitionName=urgent Nodes=node[1-2] Default=NO MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=2 PreemptMode=OFF
 EOF
 }
 
@@ -104,7 +110,7 @@ start() {
   done
   SLURM_CONF=$CONF setsid "$PY" "$HERE/slurm_reaper.py" "${args[@]}" </dev/null >>"$STATE/reaper.out" 2>&1 &
   local deadline=$((SECONDS + 60))
-  until [ "$(SLURM_CONF=$CONF sinfo -h -N -o '%N %T' 2>/dev/null | grep -cE 'idle|mixed|alloc')" = "${#NODES[@]}" ]; do
+  until [ "$(SLURM_CONF=$CONF sinfo -h -N -p debug -o '%N %T' 2>/dev/null | grep -cE 'idle|mixed|alloc')" = "${#NODES[@]}" ]; do
     if [ $SECONDS -gt $deadline ] || ! running || grep -q exited "$STATE/reaper.log" 2>/dev/null; then
       echo "slurm_local: the cluster did not come up; logs in $STATE" >&2
       for f in "$STATE"/*.log; do tail -n 5 "$f" >&2; done
@@ -146,7 +152,7 @@ revive() {
       sleep 0.5
     done
   done
-  until [ "$(SLURM_CONF=$CONF sinfo -h -N -o '%T' | grep -cE '^(idle|mixed|alloc)')" = "${#NODES[@]}" ]; do
+  until [ "$(SLURM_CONF=$CONF sinfo -h -N -p debug -o '%T' | grep -cE '^(idle|mixed|alloc)')" = "${#NODES[@]}" ]; do
     [ $SECONDS -lt $deadline ] || { echo "slurm_local: the nodes did not come back: $(SLURM_CONF=$CONF sinfo -h -N)" >&2; exit 1; }
     sleep 0.5
   done

@@ -122,9 +122,15 @@ PREEMPTIBLE = textwrap.dedent(
     """
     import os, time
     import torch
+    import torch.distributed as dist
     from gpufleet.checkpoint import CheckpointManager
 
     attempt = os.environ["GPUFLEET_ATTEMPT"]
+    marker = os.environ["MARKER_DIR"]
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
     model = torch.nn.Linear(1, 1)
     torch.nn.init.zeros_(model.weight)               # after step N the weight is exactly N
     manager = CheckpointManager(os.environ["GPUFLEET_CHECKPOINT_DIR"], model=model)
@@ -132,47 +138,89 @@ PREEMPTIBLE = textwrap.dedent(
     for step in range(start, 12):
         with torch.no_grad():
             model.weight += 1.0                       # the state a lost step would show
-        with open(os.path.join(os.environ["MARKER_DIR"], "steps.txt"), "a") as f:
+        with open(os.path.join(marker, f"steps-{rank}.txt"), "a") as f:
             f.write(f"{attempt} {step + 1} {model.weight.item():g}\\n")
-        if step + 1 == 3:
-            open(os.path.join(os.environ["MARKER_DIR"], "ready"), "w").close()
-        if attempt == "1" and step + 1 >= 3:  # the first attempt goes no further before Slurm's signal
-            deadline = time.monotonic() + 120
-            while not os.path.exists(os.environ["GPUFLEET_PREEMPT_FILE"]) and time.monotonic() < deadline:
-                time.sleep(0.1)
-        if manager.save_if_preempted(step + 1):
-            print(f"checkpointed step {step + 1} for the scheduler", flush=True)
+        if step + 1 == 3 and rank == 0:
+            open(os.path.join(marker, "ready"), "w").close()
+        stop = manager.save_if_preempted(step + 1)
+        deadline = time.monotonic() + 150
+        while not stop and attempt == "1" and step + 1 >= 3 and time.monotonic() < deadline:
+            time.sleep(0.2)                           # the first attempt waits here for Slurm
+            stop = manager.save_if_preempted(step + 1)
+        if stop:
+            print(f"rank {rank} checkpointed step {step + 1} for the scheduler", flush=True)
             break
+    if distributed:
+        dist.destroy_process_group()
     """
 )
 
 
-def test_a_preemption_signal_checkpoints_and_the_resubmitted_attempt_resumes(tmp_path: Path, monkeypatch, capsys) -> None:
+def _steps(path: Path) -> list[tuple[int, int, float]]:
+    return [(int(a), int(s), float(w)) for a, s, w in (line.split() for line in path.read_text().splitlines())]
+
+
+def _ended(capsys, run_id: str):
+    return _wait(lambda: (r := cli_json(capsys, "get", run_id))["state"] in ("SUCCESS", "FAILED", "CANCELED") and r,
+                 "the run to end", timeout=240)  # fmt: skip
+
+
+def test_the_time_limit_signal_checkpoints_and_the_resubmitted_attempt_resumes(tmp_path: Path, monkeypatch, capsys) -> None:
+    # a one-minute job that asks for SIGUSR1 50 s before its end: Slurm itself sends it
     yaml_path = slurm_workload(
-        tmp_path, monkeypatch, "slurm-preempt", "python train.py\n", files={"train.py": PREEMPTIBLE},
-        env_variables={"MARKER_DIR": str(tmp_path)}, max_retries=0,
+        tmp_path, monkeypatch, "slurm-time-limit", "python train.py\n", files={"train.py": PREEMPTIBLE},
+        env_variables={"MARKER_DIR": str(tmp_path)}, max_retries=0, slurm={"time": "1", "signal_before_s": 50},
     )  # fmt: skip
-    text = yaml_path.read_text().replace("num_accelerators: 2", "num_accelerators: 1")
-    yaml_path.write_text(text)
+    yaml_path.write_text(yaml_path.read_text().replace("num_accelerators: 2", "num_accelerators: 1"))
     rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--no-tracking")
     assert rc == 0, out + err
     run_id = out.split()[0]
     _wait(lambda: (tmp_path / "ready").exists(), "the first attempt to train a few steps")
     job_id = _job_of(capsys, run_id)
-    # what Slurm does `signal_before_s` before the time limit (--signal=B:USR1@N)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
-    run = _wait(lambda: (r := cli_json(capsys, "get", run_id))["state"] in ("SUCCESS", "FAILED") and r, "the run to end")
+    run = _ended(capsys, run_id)
     assert run["state"] == "SUCCESS", run
-    assert [a["attempt"] for a in run["attempts"]] == [1, 2]  # max_retries=0: a preemption is not a retry
-    assert "preempted" in run["attempts"][0]["message"] and job_id in run["attempts"][0]["message"]
+    attempts = run["attempts"]
+    assert len(attempts) >= 2 and attempts[0]["attempt"] == 1, attempts  # max_retries=0: a preemption is not a retry
+    assert "time limit" in attempts[0]["message"] and job_id in attempts[0]["message"], attempts[0]
     assert _job_of(capsys, run_id, 2) != job_id  # resubmitted as a new job
-    lines = [line.split() for line in (tmp_path / "steps.txt").read_text().splitlines()]
-    first = [int(s) for a, s, _ in lines if a == "1"]
-    second = [int(s) for a, s, _ in lines if a == "2"]
-    assert first[-1] == 3 and second[0] == 4, lines  # checkpointed at the next step, resumed right after it
-    assert [float(w) for _, _, w in lines] == [float(s) for _, s, _ in lines] == [float(i + 1) for i in range(12)]  # nothing lost
-    rc, out, _ = cli(capsys, "get", run_id)
-    assert "attempt 1: FAILED" in out and "preempted" in out and f"slurm job {job_id}" in out
+    lines = _steps(tmp_path / "steps-0.txt")
+    first = [s for a, s, _ in lines if a == 1]
+    second = [s for a, s, _ in lines if a == 2]
+    assert first[-1] == 3 and second[0] == 4, lines  # checkpointed at that step, resumed right after it
+    assert [w for _, _, w in lines] == [float(s) for _, s, _ in lines] == [float(i + 1) for i in range(12)], lines
+    assert "slurm job" in cli(capsys, "get", run_id)[1]
+    assert job_id not in squeue_ids()
+    assert wait_no_processes(run_id) == []
+
+
+def test_a_preemption_by_a_higher_priority_job_checkpoints_and_resumes(tmp_path: Path, monkeypatch, capsys) -> None:
+    # the local cluster's "urgent" partition preempts "debug" (CANCEL with a grace time): the
+    # ranks get SIGTERM, which their checkpoint manager turns into a checkpoint at the next step
+    yaml_path = slurm_workload(tmp_path, monkeypatch, "slurm-preempt", TORCHRUN, files={"train.py": PREEMPTIBLE},
+                               env_variables={"MARKER_DIR": str(tmp_path)}, max_retries=0)  # fmt: skip
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--no-tracking")
+    assert rc == 0, out + err
+    run_id = out.split()[0]
+    _wait(lambda: (tmp_path / "ready").exists(), "the first attempt to train a few steps")
+    job_id = _job_of(capsys, run_id)
+    urgent = subprocess.run(["sbatch", "--parsable", "--partition=urgent", "--nodes=2", "--exclusive",
+                             f"--output={tmp_path / 'urgent.log'}", "--wrap", "sleep 1"],
+                            capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    run = _ended(capsys, run_id)
+    assert run["state"] == "SUCCESS", run
+    attempts = run["attempts"]
+    assert [a["attempt"] for a in attempts] == [1, 2], attempts  # max_retries=0: a preemption is not a retry
+    assert "preempted" in attempts[0]["message"] and "higher" in attempts[0]["message"], attempts[0]
+    assert job_id in attempts[0]["message"]
+    for rank in (0, 1):
+        lines = _steps(tmp_path / f"steps-{rank}.txt")
+        first = [s for a, s, _ in lines if a == 1]
+        second = [s for a, s, _ in lines if a == 2]
+        assert second[0] == first[-1] + 1, lines  # checkpointed at the next step after SIGTERM, resumed after it
+        assert [w for _, _, w in lines] == [float(s) for _, s, _ in lines] == [float(i + 1) for i in range(12)], lines
+    log = (Path(attempts[0]["log_dir"]) / "node-0.log").read_text()
+    assert "got SIGTERM from the scheduler" in log and "checkpointed step" in log, log
+    _wait(lambda: urgent not in squeue_ids(), "the urgent job to end", timeout=30)
     assert job_id not in squeue_ids()
     assert wait_no_processes(run_id) == []
 

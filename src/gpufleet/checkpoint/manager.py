@@ -183,6 +183,9 @@ class CheckpointManager:
             except OSError as e:  # no permission, a read-only file system, a file on the way
                 raise CheckpointError(f"the checkpoint folder {self.root} cannot be created: {e.strerror or e}; choose "
                                       "a folder you can write to (root=)") from None  # fmt: skip
+        from .preemption import watch_termination
+
+        watch_termination()  # in a Slurm workload, a preemption's SIGTERM becomes a checkpoint (save_if_preempted)
 
     # -- queries --------------------------------------------------------------------------
     def checkpoints(self) -> list[layout.CheckpointInfo]:
@@ -330,9 +333,11 @@ class CheckpointManager:
     def save_if_preempted(self, step: int) -> bool:
         """Save checkpoint ``step`` (and wait for it) if the scheduler asked the job to stop; call every step.
 
-        Under Slurm, gpufleet asks for a signal before the job's time limit or a preemption; from then on
-        this saves once and returns True, and the loop should end: the run is resubmitted and
-        :meth:`resume` continues from this step. Elsewhere it returns False at once (no collective).
+        Under Slurm, gpufleet asks for a signal before the job's time limit, and a preemption's
+        ``SIGTERM`` does not end a rank that has a manager (:mod:`gpufleet.checkpoint.preemption`);
+        from then on this saves once and returns True, and the loop should end: the run is
+        resubmitted and :meth:`resume` continues from this step. Elsewhere it returns False at once
+        (no collective).
         """
         from .preemption import preemption_requested
 

@@ -7,12 +7,18 @@ nodes; its batch step (:mod:`gpufleet.launch.slurm_node`) starts the ranks or no
 nodes that way only, never in the batch script (which holds only paths) or on a command line.
 
 The job asks Slurm for ``SIGUSR1`` to its batch step ``signal_before_s`` seconds before its time
-limit (``--signal=B:USR1@N``); a preemption with a grace time sends the same signal. The batch step
-marks the attempt preempted (:data:`PREEMPTED_FILE`), which the ranks' checkpoint managers see
-(:mod:`gpufleet.checkpoint.preemption`), and the attempt is resubmitted as a new job. Jobs are
-submitted ``--no-requeue``; one that Slurm requeues anyway (an administrator, a site policy) is
-seen back in the queue: it counts as preempted, and is canceled rather than left waiting behind
-Slurm's begin-time hold, since its successor is submitted at once with the next attempt's environment.
+limit (``--signal=B:USR1@N``). The batch step marks the attempt preempted (:data:`PREEMPTED_FILE`),
+which the ranks' checkpoint managers see (:mod:`gpufleet.checkpoint.preemption`), and the attempt is
+resubmitted as a new job. A preemption (a job of a higher priority tier takes the nodes) is
+different: at the start of the partition's ``GraceTime`` Slurm sends ``SIGTERM`` to the job's tasks,
+not to the batch step (``SIGUSR1`` only where the site sets ``PreemptParameters=send_user_signal``),
+and records the moment as the job's ``PreemptTime``; a rank with a checkpoint manager checkpoints at
+its next step, and the attempt counts as preempted whatever its tasks' exit codes. Before gpufleet
+itself ends a job (cancel, timeout, hang) it writes :data:`CANCELED_FILE`, so that a rank tells that
+``SIGTERM`` from the scheduler's. Jobs are submitted ``--no-requeue``; one that Slurm requeues anyway
+(an administrator, a site policy) is seen back in the queue: it counts as preempted, and is canceled
+rather than left waiting behind Slurm's begin-time hold, since its successor is submitted at once
+with the next attempt's environment.
 
 Slurm's client commands are found on ``PATH``; ``SLURM_CONF`` says which cluster, as for ``sbatch``.
 """
@@ -31,13 +37,15 @@ from pathlib import Path
 
 from ..errors import GpufleetError, LaunchConfigError
 
-__all__ = ["PREEMPT_FILE_ENV", "PREEMPTED_FILE", "SlurmJob", "SlurmOptions", "SlurmError", "slurm_options"]
+__all__ = ["CANCELED_FILE", "PREEMPT_FILE_ENV", "PREEMPTED_FILE", "SlurmJob", "SlurmOptions", "SlurmError", "slurm_options"]
 
 #: The ranks' environment: the file whose existence means "checkpoint now, the job ends soon"
 #: (read by :mod:`gpufleet.checkpoint.preemption`).
 PREEMPT_FILE_ENV = "GPUFLEET_PREEMPT_FILE"
 #: In the attempt's folder: written by the batch step when Slurm signals the job to stop.
 PREEMPTED_FILE = "preempted.json"
+#: In the attempt's folder: written by gpufleet before it ends the job itself (its SIGTERM is no preemption).
+CANCELED_FILE = "canceled.json"
 #: Job states after which nothing of the job runs any more.
 ENDED_STATES = frozenset({
     "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
@@ -155,6 +163,8 @@ class JobState:
     nodes: str = ""
     restarts: int = 0
     exit_code: str = ""
+    #: When Slurm chose the job for preemption (its ``PreemptTime``; empty: never).
+    preempt_time: str = ""
 
     @property
     def ended(self) -> bool:
@@ -196,8 +206,10 @@ class SlurmJob:
             try:
                 info = parse_show(_run(["scontrol", "show", "job", "-o", self.job_id], env=self._env))
                 restarts = int(info.get("Restarts", "0") or 0)
+                preempt_time = info.get("PreemptTime", "")
                 self._state = JobState(info.get("JobState", "UNKNOWN"), info.get("Reason", ""),
-                                       info.get("NodeList", ""), restarts, info.get("ExitCode", ""))  # fmt: skip
+                                       info.get("NodeList", ""), restarts, info.get("ExitCode", ""),
+                                       "" if preempt_time in ("", "None", "Unknown") else preempt_time)  # fmt: skip
                 self._error_since = None
             except SlurmError as e:
                 if "Invalid job id" in str(e):

@@ -3,8 +3,9 @@
 ``python -m gpufleet.launch.slurm_node batch MODE FOLDER`` is the job's batch script
 (:func:`gpufleet.launch.slurm_job.batch_script`). It runs on the allocation's first node, sets
 ``MASTER_ADDR`` (that node's address as Slurm knows it) and ``MASTER_PORT`` (a free port there),
-turns Slurm's ``SIGUSR1`` (sent before the time limit or a preemption, ``--signal=B:USR1@N``) into
-the attempt's preempted mark, and starts one task per rank or per node with ``srun``:
+turns Slurm's ``SIGUSR1`` (sent before the time limit, ``--signal=B:USR1@N``; a preemption's
+``SIGTERM`` goes to the tasks, see :mod:`gpufleet.checkpoint.preemption`) into the attempt's
+preempted mark, and starts one task per rank or per node with ``srun``:
 
 - ``task rank FOLDER``: one rank of a call. ``RANK``, ``LOCAL_RANK``, ``NODE_RANK`` and the rest of the
   rank contract come from Slurm's task ids; the task runs ``python -m gpufleet.launch.worker FOLDER
@@ -62,9 +63,8 @@ def batch(mode: str, folder: Path) -> int:
     os.environ["MASTER_PORT"] = str(find_free_port(addr))
     mark = folder / PREEMPTED_FILE
 
-    def on_usr1(signum: int, _frame: object) -> None:
-        if not mark.exists():
-            write_atomic(mark, json.dumps({"time": time.time(), "job": os.environ.get("SLURM_JOB_ID")}).encode())
+    def on_usr1(signum: int, _frame: object) -> None:  # (over a rank's mark of SIGTERM: this one says why)
+        write_atomic(mark, json.dumps({"time": time.time(), "job": os.environ.get("SLURM_JOB_ID"), "signal": "USR1"}).encode())
         _say(f"Slurm job {os.environ.get('SLURM_JOB_ID')} was told to stop soon (SIGUSR1: its time limit or a "
              "preemption is near); the ranks checkpoint at their next step and the run resubmits")  # fmt: skip
 

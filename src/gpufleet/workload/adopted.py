@@ -117,3 +117,16 @@ def stop_descendants(grace_period_s: float = 2.0) -> int:
     """Stop everything below this process (adopted orphans too); how many needed SIGKILL."""
     pids = descendants()
     return stop_pids(pids, grace_period_s) if pids else 0
+
+
+def wait_descendants(limit_s: float, poll_s: float = 0.1) -> bool:
+    """Wait up to ``limit_s`` for everything below this process to end on its own (reaping it); True once none is left."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        pids = descendants()
+        _reap(pids)
+        if not any(_alive(p) for p in pids):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)

@@ -21,6 +21,7 @@ file path (``python .../workload/guard.py``), so it imports its one helper eithe
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -29,11 +30,11 @@ import threading
 from collections.abc import Callable, Mapping
 
 if __package__:
-    from .adopted import become_subreaper, stop_descendants
+    from .adopted import become_subreaper, stop_descendants, wait_descendants
     from .procgroup import terminate_group
     from .ranklines import RankLines
 else:  # run by path: this file's folder is the first entry of sys.path
-    from adopted import become_subreaper, stop_descendants  # type: ignore[no-redef]
+    from adopted import become_subreaper, stop_descendants, wait_descendants  # type: ignore[no-redef]
     from procgroup import terminate_group  # type: ignore[no-redef]
     from ranklines import RankLines  # type: ignore[no-redef]
 
@@ -47,6 +48,11 @@ _DRAIN_S = 2.0
 #: The faults an attempt rehearses (``gpufleet.faults.FAULTS_ENV``).
 FAULTS_ENV = "GPUFLEET_FAULTS"
 #: Its ``sitecustomize`` arms them in every rank the command starts (``gpufleet/fault_boot``).
+#: The attempt's "the scheduler ends the job soon" file (``gpufleet.launch.slurm_job.PREEMPT_FILE_ENV``).
+PREEMPT_FILE_ENV = "GPUFLEET_PREEMPT_FILE"
+#: Seconds the ranks that outlive their launcher get to finish a preemption's checkpoint (the
+#: scheduler's grace time usually ends them sooner).
+_CHECKPOINT_WAIT_S = 300.0
 FAULT_BOOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fault_boot")
 
 
@@ -139,6 +145,29 @@ def _stop_group() -> None:
     terminate_group(os.getpgid(0), _GRACE_S, finished=lambda: False)
 
 
+#: Set when this guard got SIGTERM (TERM/INT reach the whole group; the guard outlives them).
+_TERMINATED: list[bool] = []
+
+
+def _checkpointing_for_the_scheduler() -> bool:
+    """In a Slurm workload, the scheduler's SIGTERM came (to this guard, or a rank marked it), not gpufleet's cancel.
+
+    A rank marks it only once its main thread runs Python again (not inside a collective), which
+    may be after torchrun has gone: this guard's own SIGTERM says it at once.
+    """
+    path = os.environ.get(PREEMPT_FILE_ENV)
+    if not path or os.path.exists(os.path.join(os.path.dirname(path), "canceled.json")):
+        return False
+    if _TERMINATED:
+        return True
+    try:
+        with open(path) as f:
+            mark = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(mark, dict) and mark.get("signal") == "TERM"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command after ``--``; returns its exit code (128 + signal when killed)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -150,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     become_subreaper()  # a daemon the command double-forks stays below the guard (workload/adopted.py)
     # TERM/INT reach the whole group from the supervisor; the guard outlives the command
     # so that its exit code is reported.
-    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGTERM, lambda *_: _TERMINATED.append(True))
     signal.signal(signal.SIGINT, lambda *_: None)
     os.environ.update(fault_boot_env(os.environ))
     secrets = secret_values(os.environ)
@@ -185,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
             stop_descendants(_GRACE_S)  # children that left the group (setsid) or were adopted
             _stop_group()
             return 1
+    if _checkpointing_for_the_scheduler() and wait_descendants(0.0) is False:
+        # torchrun ends at the scheduler's SIGTERM (a second one cuts its own wait for the ranks
+        # short); its ranks are saving the preemption's checkpoint: let them end on their own
+        print("gpufleet: the scheduler is ending the job; this node ends once its ranks have saved their "
+              "checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+        wait_descendants(_CHECKPOINT_WAIT_S)
     stop_descendants()  # what the command left running below the guard (daemons it double-forked)
     if rank_lines is not None:
         rank_lines.stop()  # the ranks' last lines, then the folder goes

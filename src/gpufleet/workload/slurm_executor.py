@@ -12,10 +12,14 @@ the nodes share (as the code snapshot and checkpoints must be).
 
 A node whose command never reports (the node died, Slurm ended the job: ``NODE_FAIL``, ``TIMEOUT``,
 ``CANCELLED``) ends with :data:`LOST_EXIT_CODE` and a line in its log naming the job's state, so the
-attempt fails (and is retried) rather than waiting. A job Slurm signaled to stop (before its time
-limit, or a preemption), or requeued on its own, ends the attempt as preempted
-(:attr:`SlurmExecutor.preempted`): the controller resubmits it as the next attempt without counting
-it against ``max_retries``, and the command resumes from its newest checkpoint.
+attempt fails (and is retried) rather than waiting. A job Slurm signaled to stop before its time
+limit (``SIGUSR1`` to the batch step), preempted (its ``PreemptTime`` is set: the tasks got
+``SIGTERM`` at the start of the grace time) or requeued on its own ends the attempt as preempted
+(:meth:`SlurmExecutor.preemption`), whatever exit codes its nodes wrote: a node's code is taken
+only after a fresh look at the job. The controller resubmits it as the next attempt without
+counting it against ``max_retries``, and the command resumes from its newest checkpoint. Before it
+ends a job itself, the executor writes the attempt's ``canceled.json`` (a rank's ``SIGTERM`` is then
+no preemption).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 
 from ..launch.group import GroupStartCanceled
 from ..launch.slurm_job import (
+    CANCELED_FILE,
     PREEMPT_FILE_ENV,
     PREEMPTED_FILE,
     SlurmJob,
@@ -37,6 +42,7 @@ from ..launch.slurm_job import (
     require_slurm,
     resource_args,
 )
+from ..results import write_atomic
 from .nodes import GRACE_PERIOD_S, NodeExecutor, NodeProcess, NodeSpec
 from .schema import WorkloadConfig
 
@@ -50,6 +56,17 @@ PREEMPTED_EXIT_CODE = 75
 _EXIT_FILE_WAIT_S = 5.0
 #: Placeholder that node 0's batch step replaces with its own address and a free port.
 FIRST_NODE = "slurm-first-node"
+
+
+def _mark_signal(path: Path) -> str | None:
+    """The signal a preempted mark records (``USR1``: the batch step's; ``TERM``: a rank's), or None without one."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return "USR1"  # unreadable: taken for the batch step's (a rank's mark is written whole, atomically)
+    return str(data.get("signal", "USR1")) if isinstance(data, dict) else "USR1"
 
 
 def create_executor(config: WorkloadConfig) -> SlurmExecutor:
@@ -96,6 +113,8 @@ class SlurmNodeProcess(NodeProcess):
             return self._code
         code = ex.exit_code(self.node_rank)
         if code is not None:
+            if ex.preemption(max_age_s=0.0):  # a preempted job's nodes end too, with 0 or with the signal's code
+                return None
             self._code = code
             return code
         state = job.state()
@@ -140,11 +159,13 @@ class SlurmExecutor(NodeExecutor):
         self._num_nodes = 0
         self._node_names: list[str] = []
         self._preempted: str | None = None
+        self._canceling = False
 
     # -- the attempt ----------------------------------------------------------------------
     def rendezvous(self, num_nodes: int, code_dir: str | None = None) -> tuple[str, int]:
         self._finish_job()
         self.job, self._num_nodes, self._node_names, self._preempted = None, num_nodes, [], None
+        self._canceling = False
         return FIRST_NODE, 0  # the batch step on node 0 sets both (its address, a free port there)
 
     def start(self, node: NodeSpec) -> NodeProcess:
@@ -178,14 +199,29 @@ class SlurmExecutor(NodeExecutor):
 
     @property
     def preempted(self) -> str | None:
-        """Why the current job was told to stop by Slurm (a signal before its end, a requeue), or None."""
-        if self._preempted is None and self.job is not None:
-            if (self.folder / PREEMPTED_FILE).exists():
-                self._preempted = f"preempted: Slurm signaled job {self.job.job_id} to stop (time limit or preemption near)"
+        """Why Slurm ended or is ending the current job early (see :meth:`preemption`), or None."""
+        return self.preemption()
+
+    def preemption(self, max_age_s: float = 1.0) -> str | None:
+        """Why Slurm ended or is ending the current job early, from what it said at most ``max_age_s`` ago; or None.
+
+        The batch step's mark of ``SIGUSR1`` (the time limit is near), the job's ``PreemptTime`` (a
+        preemption, whose ``SIGTERM`` went to the tasks), a requeue, or the state ``PREEMPTED``. A
+        mark a rank wrote on ``SIGTERM`` alone is none of these: a ``scancel`` sends that signal too.
+        """
+        if self._preempted is None and self.job is not None and not self._canceling:
+            job = self.job.job_id
+            if _mark_signal(self.folder / PREEMPTED_FILE) == "USR1":
+                self._preempted = f"preempted: Slurm signaled job {job} to stop (its time limit is near)"
+                return self._preempted
+            state = self.job.state(max_age_s)
+            if state.preempt_time:
+                self._preempted = (f"preempted: Slurm preempted job {job} at {state.preempt_time} (a job of a higher "
+                                   "priority took its nodes)")  # fmt: skip
             elif self.job.requeued():
-                self._preempted = f"preempted: Slurm requeued job {self.job.job_id}"
-            elif self.job.state().state == "PREEMPTED":  # preempted without a grace time: no signal came
-                self._preempted = f"preempted: Slurm preempted job {self.job.job_id} without a signal first"
+                self._preempted = f"preempted: Slurm requeued job {job}"
+            elif state.state == "PREEMPTED":  # preempted without a grace time: no signal came
+                self._preempted = f"preempted: Slurm preempted job {job} without a signal first"
         return self._preempted
 
     @property
@@ -233,6 +269,11 @@ class SlurmExecutor(NodeExecutor):
     def cancel_job(self, grace_period_s: float) -> None:
         """Cancel the attempt's job and wait until nothing of it runs."""
         if self.job is not None:
+            self._canceling = True
+            try:  # first: the ranks' SIGTERM handlers read it (this SIGTERM is no preemption)
+                write_atomic(self.folder / CANCELED_FILE, json.dumps({"time": time.time()}).encode())
+            except OSError:
+                pass
             self.job.cancel(wait_s=max(30.0, grace_period_s + 20.0))
 
     def _finish_job(self) -> None:

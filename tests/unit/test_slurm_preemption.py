@@ -1,0 +1,207 @@
+"""How a Slurm attempt tells a preemption or a time limit from a failure or a cancel (against a fake job).
+
+The real cluster's tests (tests/slurm) show the whole path; these pin each rule: a node's exit code
+is taken only after a fresh look at the job, a preempted job's nodes may end with any code, a rank's
+SIGTERM alone is no preemption (``scancel`` sends it too), and gpufleet's own cancel is marked before
+the job is signaled. Also the rank's side: the scheduler's SIGTERM becomes a checkpoint request, and
+gpufleet's own cancel still ends the rank at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from gpufleet.launch.slurm_job import CANCELED_FILE, PREEMPTED_FILE, JobState
+from gpufleet.workload.nodes import NodeSpec
+from gpufleet.workload.schema import WorkloadConfig
+from gpufleet.workload.slurm_executor import PREEMPTED_EXIT_CODE, SlurmExecutor, SlurmNodeProcess
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class FakeJob:
+    """What ``scontrol show job`` would say; counts the fresh reads and records a cancel."""
+
+    def __init__(self, folder: Path, state: JobState) -> None:
+        self.job_id = "41"
+        self.folder = folder
+        self.current = state
+        self.seen: JobState | None = None
+        self.fresh_reads = 0
+        self.canceled_with_mark: bool | None = None
+        self.ran = True
+
+    def state(self, max_age_s: float = 1.0) -> JobState:
+        """The last answer stands (as a cached one may) unless a fresh one is asked for."""
+        if max_age_s == 0.0 or self.seen is None:
+            self.fresh_reads += max_age_s == 0.0
+            self.seen = self.current
+        return self.seen
+
+    def requeued(self) -> bool:
+        return False
+
+    def cancel(self, wait_s: float = 30.0) -> JobState:
+        self.canceled_with_mark = (self.folder / CANCELED_FILE).exists()
+        self.current = JobState("CANCELLED")
+        return self.current
+
+    def nodes(self) -> list[str]:
+        return ["node1", "node2"]
+
+
+def _attempt(tmp_path: Path, state: JobState) -> tuple[SlurmExecutor, FakeJob, list[SlurmNodeProcess]]:
+    config = WorkloadConfig.model_validate({
+        "experiment_name": "t", "command": "true",
+        "compute": {"accelerator_type": "CPU_1", "num_accelerators": 2, "cluster": "slurm"},
+    })  # fmt: skip
+    ex = SlurmExecutor(config)
+    ex.rendezvous(2)
+    ex.folder = tmp_path
+    job = FakeJob(tmp_path, state)
+    ex.job = job  # type: ignore[assignment]
+    nodes = [SlurmNodeProcess(ex, NodeSpec(r, "true", {}, str(tmp_path), str(tmp_path / f"node-{r}.log"))) for r in (0, 1)]
+    return ex, job, nodes
+
+
+def _exit(tmp_path: Path, node: int, code: int) -> None:
+    (tmp_path / f"node-{node}.exit").write_text(json.dumps({"exit_code": code}))
+
+
+def test_nodes_that_exit_0_after_a_preemption_make_a_preempted_attempt_not_a_success(tmp_path: Path) -> None:
+    ex, job, nodes = _attempt(tmp_path, JobState("RUNNING"))
+    assert [n.poll() for n in nodes] == [None, None]  # running; that answer is what the executor holds
+    job.current = JobState("RUNNING", preempt_time="2026-12-04T10:00:00")  # Slurm preempts: SIGTERM to the tasks
+    for r in (0, 1):  # the ranks saved at SIGTERM and ended their loop early: exit 0, the training is not done
+        _exit(tmp_path, r, 0)
+    assert nodes[0].poll() is None and job.fresh_reads == 1  # a code is taken only after a fresh look
+    assert [n.poll() for n in nodes] == [PREEMPTED_EXIT_CODE] * 2
+    assert "a job of a higher priority took its nodes" in (ex.preempted or "") and "41" in (ex.preempted or "")
+    assert "next one resumes from the newest checkpoint" in (tmp_path / "node-0.log").read_text()
+
+
+def test_a_rank_s_sigterm_mark_alone_is_no_preemption(tmp_path: Path) -> None:
+    # someone ran `scancel`: a rank marked its SIGTERM, but Slurm never preempted the job
+    ex, job, nodes = _attempt(tmp_path, JobState("CANCELLED"))
+    (tmp_path / PREEMPTED_FILE).write_text(json.dumps({"signal": "TERM", "rank": "0"}))
+    _exit(tmp_path, 0, 1)
+    _exit(tmp_path, 1, 1)
+    assert [n.poll() for n in nodes] == [1, 1]
+    assert ex.preempted is None
+
+
+def test_the_batch_step_s_time_limit_mark_is_a_preemption(tmp_path: Path) -> None:
+    ex, job, nodes = _attempt(tmp_path, JobState("RUNNING"))
+    (tmp_path / PREEMPTED_FILE).write_text(json.dumps({"signal": "USR1", "job": "41"}))
+    assert ex.preempted and "time limit" in ex.preempted
+    job.current = JobState("COMPLETED")
+    _exit(tmp_path, 0, 0)
+    _exit(tmp_path, 1, 0)
+    assert [n.poll() for n in nodes] == [PREEMPTED_EXIT_CODE] * 2
+
+
+def test_gpufleet_marks_its_own_cancel_before_it_signals_the_job(tmp_path: Path) -> None:
+    ex, job, nodes = _attempt(tmp_path, JobState("RUNNING"))
+    nodes[0].cancel(1.0)
+    assert job.canceled_with_mark is True
+    _exit(tmp_path, 0, 143)
+    assert nodes[0].poll() == 143 and ex.preempted is None  # its own cancel is never a preemption
+
+
+RANK = textwrap.dedent(
+    """
+    import sys, time
+    import torch
+    from gpufleet.checkpoint import CheckpointManager
+    from gpufleet.checkpoint.preemption import preemption_requested
+
+    CheckpointManager(sys.argv[1], model=torch.nn.Linear(1, 1))
+    print("ready", flush=True)
+    deadline = time.monotonic() + 60
+    while not preemption_requested() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("asked to checkpoint" if preemption_requested() else "never asked", flush=True)
+    """
+)
+
+
+def _rank(tmp_path: Path, env_extra: dict[str, str]) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k != "GPUFLEET_PREEMPT_FILE"}
+    env.update(PYTHONPATH=str(REPO / "src"), **env_extra)
+    proc = subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path / "ckpt")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_the_scheduler_s_sigterm_makes_a_rank_checkpoint_instead_of_dying(tmp_path: Path) -> None:
+    mark = tmp_path / PREEMPTED_FILE
+    proc = _rank(tmp_path, {"GPUFLEET_PREEMPT_FILE": str(mark), "RANK": "3"})
+    try:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "asked to checkpoint" in out, out + err
+    assert "rank 3 got SIGTERM from the scheduler" in err
+    assert json.loads(mark.read_text())["signal"] == "TERM"
+
+
+def test_gpufleet_s_own_cancel_still_ends_a_rank_at_once(tmp_path: Path) -> None:
+    (tmp_path / CANCELED_FILE).write_text("{}")
+    proc = _rank(tmp_path, {"GPUFLEET_PREEMPT_FILE": str(tmp_path / PREEMPTED_FILE)})
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGTERM
+    assert not (tmp_path / PREEMPTED_FILE).exists()
+
+
+def test_outside_slurm_sigterm_keeps_its_default(tmp_path: Path) -> None:
+    proc = _rank(tmp_path, {})
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGTERM
+
+
+ORPHAN = 'python3 -c "import os, time\nif os.fork() == 0:\n    time.sleep(1.5); open(\'{out}\', \'w\').close()\n"'
+
+
+@pytest.mark.parametrize("how", ["a-rank-marked-sigterm", "the-guard-got-sigterm", "no-preemption", "gpufleet-cancels"])
+def test_the_node_guard_lets_ranks_that_outlive_their_launcher_finish_a_preemption_s_checkpoint(
+    tmp_path: Path, how: str
+) -> None:
+    # torchrun ends at the scheduler's SIGTERM while its ranks still save: they are orphans of the guard
+    mark = tmp_path / PREEMPTED_FILE
+    command = ORPHAN.format(out=tmp_path / "saved")
+    if how == "a-rank-marked-sigterm":
+        mark.write_text(json.dumps({"signal": "TERM", "rank": "0"}))
+    elif how in ("the-guard-got-sigterm", "gpufleet-cancels"):  # a rank still inside a collective marks nothing yet
+        command += "; kill -TERM $PPID"
+    if how == "gpufleet-cancels":
+        (tmp_path / CANCELED_FILE).write_text("{}")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "GPUFLEET_PREEMPT_FILE": str(mark)}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "gpufleet.workload.guard", "--", "bash", "-c", command],
+                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    if how in ("a-rank-marked-sigterm", "the-guard-got-sigterm"):
+        assert (tmp_path / "saved").exists(), done.stderr  # the orphan finished its work before the node ended
+        assert "ends once its ranks have saved their checkpoint" in done.stderr
+    else:
+        time.sleep(max(0.0, 2.5 - (time.monotonic() - started)))
+        assert not (tmp_path / "saved").exists()  # stopped with the node, as before
+        assert "saved their checkpoint" not in done.stderr
