@@ -104,3 +104,68 @@ def test_cancel_of_a_running_call_empties_squeue(tmp_path) -> None:
         handle.result()
     assert squeue_ids() == []  # cancel returns once Slurm has the job off the nodes
     assert run_processes(handle.run_id) == []
+
+
+INTERRUPTED = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal or a notebook kernel
+from gpufleet import distributed
+
+def wait_up():
+    import time
+    print("rank is up", flush=True)
+    time.sleep(300)
+
+try:
+    distributed(wait_up, gpus=2, gpu_type="cpu", remote="slurm", slurm={"nodes": 2}, runs_dir=sys.argv[1],
+                timeout=240, tracking=False, grace_period_s=1.0, log_ranks="all").distributed()
+except KeyboardInterrupt:
+    print("CAUGHT KeyboardInterrupt", flush=True)
+"""
+
+
+def test_ctrl_c_at_the_caller_cancels_the_job_and_leaves_nothing(tmp_path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    script = tmp_path / "caller.py"
+    script.write_text(INTERRUPTED)
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, str(script), str(runs)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not all(any(f"[rank {r}] rank is up" in line for line in lines) for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines) + proc.stderr.read()  # type: ignore[union-attr]
+            time.sleep(0.2)
+        assert squeue_ids()
+        run_id = next(p.name for p in runs.iterdir() if p.is_dir())
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=90)[1]
+        reader.join(5)
+        assert "CAUGHT KeyboardInterrupt" in "".join(lines), "".join(lines) + err
+    finally:
+        proc.kill()
+    assert _wait_empty()
+    assert run_processes(run_id) == []
+
+
+def test_a_call_past_its_timeout_is_stopped_with_its_ranks_stacks(tmp_path) -> None:
+    from gpufleet.errors import DistributedTimeoutError
+
+    f = distributed(sleep_after_hello, gpus=2, gpu_type="cpu", remote="slurm", slurm={"nodes": 2},
+                    runs_dir=str(tmp_path), timeout=25, tracking=False, grace_period_s=1.0)  # fmt: skip
+    handle = f.submit()
+    with pytest.raises(DistributedTimeoutError, match="ran past its timeout of 25 s") as info:
+        handle.result()
+    assert "rank is up" in handle.logs(0) and "rank is up" in handle.logs(1)
+    assert "in sleep_after_hello" in handle.logs(0) + str(info.value), handle.logs(0)  # where they were, at the timeout
+    assert _wait_empty()
+    assert run_processes(handle.run_id) == []

@@ -225,6 +225,36 @@ def test_a_preemption_by_a_higher_priority_job_checkpoints_and_resumes(tmp_path:
     assert wait_no_processes(run_id) == []
 
 
+RETRIED = ('echo "attempt $GPUFLEET_ATTEMPT node $NODE_RANK mlflow=${MLFLOW_RUN_ID:-none}"; '
+           'if [ "$GPUFLEET_ATTEMPT" = 1 ]; then exit 3; fi; sleep 300\n')
+
+
+def test_a_failed_attempt_is_retried_as_a_new_job_and_the_timeout_stops_the_next(tmp_path: Path, monkeypatch,
+                                                                                  capsys) -> None:  # fmt: skip
+    yaml_path = slurm_workload(tmp_path, monkeypatch, "slurm-retry", RETRIED, max_retries=1, timeout_minutes=0.25)
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path))  # tracked: each attempt is an MLflow run
+    assert rc == 0, out + err
+    run_id = out.split()[0]
+    rc, followed, err = cli(capsys, "logs", run_id, "--follow")  # returns once the run has ended
+    run = cli_json(capsys, "get", run_id)
+    assert rc == 0 and f"run {run_id} TIMEDOUT" in err, err
+    assert run["state"] == "TIMEDOUT", run
+    first, second = run["attempts"]
+    assert first["state"] == "FAILED" and "node 0 exited with code 3" in first["message"], first
+    assert second["state"] == "TIMEDOUT" and "timeout_minutes=0.25" in second["message"], second
+    jobs = [_job_of(capsys, run_id, 1), _job_of(capsys, run_id, 2)]
+    assert jobs[0] and jobs[1] and jobs[0] != jobs[1]  # the retry is a new job
+    ids = [a.get("mlflow_run_id") for a in (first, second)]
+    assert ids[0] and ids[1] and ids[0] != ids[1], ids
+    order = [followed.index("--- attempt 1/2 ---"), followed.index("--- attempt 2/2 ---")]
+    for attempt, mlflow_id in ((1, ids[0]), (2, ids[1])):  # each node's line, under its attempt, with its MLflow run
+        for node in (0, 1):
+            at = followed.index(f"[node {node}] attempt {attempt} node {node} mlflow={mlflow_id}")
+            assert order[attempt - 1] < at and (attempt == 2 or at < order[1]), followed
+    assert not set(jobs) & set(squeue_ids())
+    assert wait_no_processes(run_id) == []
+
+
 def test_bad_slurm_keys_fail_validation_listing_every_error(tmp_path: Path, capsys) -> None:
     yaml_path = write_workload(
         tmp_path, experiment_name="bad-slurm", command="true",
@@ -281,7 +311,7 @@ def test_a_node_that_dies_fails_the_attempt_clearly(tmp_path: Path, monkeypatch,
                     "the run to end after its node died", timeout=120)  # fmt: skip
         assert run["state"] == "FAILED", run
         message = run["attempts"][0]["message"]
-        assert job_id in message and ("NODE_FAIL" in message or "node 1" in message), message
+        assert f"Slurm ended job {job_id} NODE_FAIL" in message, message  # Slurm's own word, not a guess
     finally:
         subprocess.run([str(SCRIPT), "revive"], check=True, capture_output=True, timeout=90)
     assert job_id not in squeue_ids()

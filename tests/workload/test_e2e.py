@@ -175,9 +175,11 @@ def test_failure_then_retry_resumes_from_checkpoint(tmp_path: Path, store: RunSt
     wl = write_workload(tmp_path, code_source={"root_path": "."}, command="python retry.py", max_retries=1)
     rc, out, err = cli(capsys, "run", "-f", str(wl), "--watch", "--no-tracking")
     assert rc == 0, err
-    assert "--- attempt 1/2 ---" in out and "--- attempt 2/2 ---" in out
-    assert "attempt 1 saved step 5 and crashed" in out
-    assert "attempt 2 resumed from step 5" in out
+    order = [out.index(text) for text in ("--- attempt 1/2 ---", "attempt 1 saved step 5 and crashed",
+                                          "--- attempt 2/2 ---", "attempt 2 resumed from step 5")]  # fmt: skip
+    assert order == sorted(order), out  # each attempt's separator before its own lines
+    rc, followed, _ = cli(capsys, "logs", out.splitlines()[0], "--follow")  # the same, for the finished run
+    assert rc == 0 and followed == cli(capsys, "logs", out.splitlines()[0])[1], followed
     run = store.get(out.splitlines()[0])
     assert [a.state for a in run.attempts] == ["FAILED", "SUCCESS"]
     assert run.attempts[0].exit_code == 3 and "node 0 exited with code 3" in run.attempts[0].message

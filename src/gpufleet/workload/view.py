@@ -56,44 +56,62 @@ class LogFollower:
         self._announced: set[int] = set()
         self.run_dir = Path(run.run_dir)
 
-    def files(self, run: RunRecord) -> list[tuple[str, Path]]:
-        """``(prefix, path)`` of each log file to follow, in order."""
-        out: list[tuple[str, Path]] = []
-        if self.attempt is None and self.node is None:
-            out.append(("[setup] ", self.run_dir / "environment.log"))
-        for a in run.attempts:
-            if self.attempt is None or a.attempt == self.attempt:
-                out += self.attempt_files(run, a)
-        return out
-
     def attempt_files(self, run: RunRecord, a: AttemptRecord) -> list[tuple[str, Path]]:
         """``(prefix, path)`` of each log file of attempt ``a``: ``[node N] `` or ``[rank N] ``."""
         nodes = [self.node] if self.node is not None else range(run.log_units)
         return [(f"[{run.log_name} {n}] ", Path(a.log_dir) / f"{run.log_name}-{n}.log") for n in nodes]
 
     def read(self, run: RunRecord, final: bool = False) -> Iterator[tuple[str, str]]:
-        """New ``(prefix, line)`` pairs; ``final`` also yields an unterminated last line."""
+        """New ``(prefix, line)`` pairs; ``final`` also yields an unterminated last line.
+
+        Each attempt's separator comes before its lines (as :func:`log_lines` writes them); an
+        attempt read while it looked like the only one keeps its lines without a late separator.
+        """
+        if self.attempt is None and self.node is None:
+            yield from self._new_lines("[setup] ", self.run_dir / "environment.log", final)
         for a in run.attempts:
-            if (self.attempt is None and a.attempt not in self._announced and len(run.attempts) > 1):
-                self._announced.add(a.attempt)
-                yield "", f"--- attempt {a.attempt}/{run.max_attempts} ---"
-        for prefix, path in self.files(run):
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self._offsets.get(path, 0))
-                    data = f.read()
-                    self._offsets[path] = f.tell()
-            except FileNotFoundError:
+            if self.attempt is not None and a.attempt != self.attempt:
                 continue
-            buf = self._partial.pop(path, b"") + data
-            lines = buf.split(b"\n")
-            rest = lines.pop()
-            if rest and final:
-                lines.append(rest)
-            elif rest:
-                self._partial[path] = rest
-            for line in lines:
-                yield prefix, line.decode("utf-8", "replace").rstrip("\r")
+            if self.attempt is None and a.attempt not in self._announced:
+                self._announced.add(a.attempt)
+                if has_separators(run):
+                    yield "", separator(run, a)
+            for prefix, path in self.attempt_files(run, a):
+                yield from self._new_lines(prefix, path, final)
+
+    def _new_lines(self, prefix: str, path: Path, final: bool) -> Iterator[tuple[str, str]]:
+        """The complete lines ``path`` got since the last read (``final``: the unterminated last one too)."""
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._offsets.get(path, 0))
+                data = f.read()
+                self._offsets[path] = f.tell()
+        except FileNotFoundError:
+            return
+        buf = self._partial.pop(path, b"") + data
+        lines = buf.split(b"\n")
+        rest = lines.pop()
+        if rest and final:
+            lines.append(rest)
+        elif rest:
+            self._partial[path] = rest
+        for line in lines:
+            yield prefix, line.decode("utf-8", "replace").rstrip("\r")
+
+
+def has_separators(run: RunRecord) -> bool:
+    """Whether a run's logs show a ``--- attempt N/M ---`` line before each attempt.
+
+    A workload that may retry shows them from its first attempt on (a follower prints attempt 1's
+    separator before its lines, not once attempt 2 has come); any run that had several attempts
+    does. (A call's record is one attempt; its retries are records of their own.)
+    """
+    return (not run.is_call and run.max_attempts > 1) or len(run.attempts) > 1
+
+
+def separator(run: RunRecord, a: AttemptRecord) -> str:
+    """The line before attempt ``a``'s logs."""
+    return f"--- attempt {a.attempt}/{max(run.max_attempts, len(run.attempts))} ---"
 
 
 def log_lines(run: RunRecord, node: int | None = None, attempt: int | None = None,
@@ -107,8 +125,8 @@ def log_lines(run: RunRecord, node: int | None = None, attempt: int | None = Non
     for a in run.attempts:
         if attempt is not None and a.attempt != attempt:
             continue
-        if attempt is None and len(run.attempts) > 1:
-            yield "", f"--- attempt {a.attempt}/{run.max_attempts} ---"
+        if attempt is None and has_separators(run):
+            yield "", separator(run, a)
         for prefix, path in follower.attempt_files(run, a):
             for line in tail_lines(path, num_lines):
                 yield prefix, line
