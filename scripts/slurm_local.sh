@@ -22,6 +22,10 @@ NODES=(node1 node2)
 # Seconds a job of the default partition gets between the preemption signal (SIGTERM) and SIGKILL
 # when a job of the "urgent" partition takes its nodes.
 GRACE=${GPUFLEET_SLURM_GRACE_S:-30}
+# GPUs each emulated node offers as GRES (`--gpus-per-node`): the machine's NVIDIA devices, which
+# both nodes share (one host); $GPUFLEET_SLURM_GPUS overrides the count, 0 for none.
+gpu_files() { ls /dev/nvidia[0-9]* 2>/dev/null | sort -V; }
+GPUS=${GPUFLEET_SLURM_GPUS:-$(gpu_files | wc -l)}
 PY=/usr/bin/python3
 [ -x "$PY" ] || PY=$(command -v python3)
 
@@ -47,6 +51,15 @@ write_conf() {
   mkdir -p "$STATE/munge" "$STATE/ctld" "$STATE/spool"
   chmod 700 "$STATE" "$STATE/munge"
   [ -f "$STATE/munge/munge.key" ] || mungekey --create --keyfile="$STATE/munge/munge.key" >/dev/null
+  local PLUGIN_LINE="" GRES_LINE="" NODE_GRES=""
+  # Slurm unpacked somewhere else than /usr (its plugins beside it)
+  [ -n "${GPUFLEET_SLURM_PLUGIN_DIR:-}" ] && PLUGIN_LINE="PluginDir=$GPUFLEET_SLURM_PLUGIN_DIR"$'\n'
+  rm -f "$STATE/gres.conf"
+  if [ "$GPUS" -gt 0 ]; then
+    GRES_LINE="GresTypes=gpu"$'\n'
+    NODE_GRES="Gres=gpu:$GPUS "
+    gpu_files | head -n "$GPUS" | sed 's/^/NodeName=node[1-2] Name=gpu File=/' >"$STATE/gres.conf"
+  fi
   chmod 600 "$STATE/munge/munge.key"
   cat >"$CONF" <<EOF
 ClusterName=gpufleet-local
@@ -83,8 +96,8 @@ InactiveLimit=0
 MinJobAge=600
 JobRequeue=1
 SrunPortRange=60001-60999
-NodeName=node1 NodeHostname=$host NodeAddr=127.0.0.1 Port=$((PORT + 1)) CPUs=$cpus RealMemory=1000 State=UNKNOWN
-NodeName=node2 NodeHostname=$host NodeAddr=127.0.0.1 Port=$((PORT + 2)) CPUs=$cpus RealMemory=1000 State=UNKNOWN
+${PLUGIN_LINE}${GRES_LINE}NodeName=node1 NodeHostname=$host NodeAddr=127.0.0.1 Port=$((PORT + 1)) CPUs=$cpus RealMemory=1000 ${NODE_GRES}State=UNKNOWN
+NodeName=node2 NodeHostname=$host NodeAddr=127.0.0.1 Port=$((PORT + 2)) CPUs=$cpus RealMemory=1000 ${NODE_GRES}State=UNKNOWN
 PreemptType=preempt/partition_prio
 PreemptMode=CANCEL
 PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=1 PreemptMode=CANCEL GraceTime=$GRACE

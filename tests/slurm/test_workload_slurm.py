@@ -255,6 +255,39 @@ def test_a_failed_attempt_is_retried_as_a_new_job_and_the_timeout_stops_the_next
     assert wait_no_processes(run_id) == []
 
 
+HANGS = textwrap.dedent(
+    """
+    import time
+    import torch
+    import torch.distributed as dist
+    from gpufleet import runtime
+
+    runtime.setup()
+    t = torch.ones(4)
+    for step in range(1, 6):
+        dist.all_reduce(t)
+        runtime.report_step()
+        if runtime.get_global_rank() == 1 and step == 2:
+            time.sleep(600)  # rank 1 stops coming
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_the_hang_watchdog_names_the_missing_rank_on_its_slurm_node(tmp_path: Path, monkeypatch, capsys) -> None:
+    yaml_path = slurm_workload(tmp_path, monkeypatch, "slurm-hang", TORCHRUN, files={"train.py": HANGS},
+                               hang_timeout_minutes=0.08)  # about 5 s  # fmt: skip
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--watch", "--no-tracking")
+    run_id = out.splitlines()[0]
+    run = cli_json(capsys, "get", run_id)
+    assert rc != 0 and run["state"] == "TIMEDOUT", out + err
+    assert "rank 1 missing from all_reduce #3 [[4]], which rank 0 waits in" in run["message"], run["message"]
+    assert "time.sleep(600)" in run["message"], run["message"]  # rank 1's line, read on its node (srun --overlap)
+    job_id = _job_of(capsys, run_id)
+    assert job_id not in squeue_ids()
+    assert wait_no_processes(run_id) == []
+
+
 def test_bad_slurm_keys_fail_validation_listing_every_error(tmp_path: Path, capsys) -> None:
     yaml_path = write_workload(
         tmp_path, experiment_name="bad-slurm", command="true",
