@@ -54,6 +54,11 @@ write_conf() {
   local PLUGIN_LINE="" GRES_LINE="" NODE_GRES=""
   # Slurm unpacked somewhere else than /usr (its plugins beside it)
   [ -n "${GPUFLEET_SLURM_PLUGIN_DIR:-}" ] && PLUGIN_LINE="PluginDir=$GPUFLEET_SLURM_PLUGIN_DIR"$'\n'
+  # Without systemd or dbus (a container) slurmd makes its cgroup folders itself; nothing is constrained
+  printf '%s\n' CgroupPlugin=autodetect IgnoreSystemd=yes ConstrainCores=no ConstrainRAMSpace=no \
+    ConstrainDevices=no >"$STATE/cgroup.conf"
+  # (cgroup v2 without systemd: the slice slurmd puts its step daemons in)
+  if [ -f /sys/fs/cgroup/cgroup.controllers ]; then mkdir -p /sys/fs/cgroup/system.slice 2>/dev/null || true; fi
   rm -f "$STATE/gres.conf"
   if [ "$GPUS" -gt 0 ]; then
     GRES_LINE="GresTypes=gpu"$'\n'
@@ -113,7 +118,7 @@ start() {
   have_slurm || { echo "slurm_local: Slurm is not installed (scripts/slurm_local.sh ensure, as root)" >&2; exit 2; }
   stop_quiet
   write_conf
-  rm -f "$STATE/reaper.log" "$STATE/cgroup.conf"
+  rm -f "$STATE/reaper.log"
   local args=("$STATE" -- munged munged -F -f --socket="$STATE/munge/munge.socket" --key-file="$STATE/munge/munge.key"
     --pid-file="$STATE/munge/munged.pid" --log-file="$STATE/munge/munged.log" --seed-file="$STATE/munge/munged.seed"
     -- slurmctld slurmctld -D -i -f "$CONF")

@@ -205,3 +205,21 @@ def test_the_node_guard_lets_ranks_that_outlive_their_launcher_finish_a_preempti
         time.sleep(max(0.0, 2.5 - (time.monotonic() - started)))
         assert not (tmp_path / "saved").exists()  # stopped with the node, as before
         assert "saved their checkpoint" not in done.stderr
+
+
+@pytest.mark.parametrize("gpus", [True, False], ids=["gpu-job", "cpu-job"])
+def test_the_tasks_of_a_job_without_gpus_see_none(tmp_path: Path, gpus: bool) -> None:
+    # Slurm unsets CUDA_VISIBLE_DEVICES for a job without GPUs on a node that has them (seen on an
+    # H200 node: two CPU ranks then both took GPU 0)
+    from gpufleet.launch.slurm_job import batch_script
+
+    script = batch_script(tmp_path, "node", sys.executable, gpus=gpus).read_text()
+    args = script.split("slurm_node ", 1)[1].split()
+    assert args[:2] == ["batch", "node"] and (args[-1] == "cpu") is (not gpus)
+    (tmp_path / "node-command.sh").write_text('echo "visible=[${CUDA_VISIBLE_DEVICES-unset}]"\n')
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.update(PYTHONPATH=str(REPO / "src"), SLURM_NODEID="0")
+    task = ["task", "node", str(tmp_path)] + (["cpu"] if not gpus else [])
+    done = subprocess.run([sys.executable, "-m", "gpufleet.launch.slurm_node", *task], env=env, timeout=60)
+    assert done.returncode == 0
+    assert ("visible=[]" if not gpus else "visible=[unset]") in (tmp_path / "node-0.log").read_text()

@@ -155,7 +155,7 @@ class SlurmWorkerGroup(WorkerGroup):
         if self.abort.is_set():
             raise GroupStartCanceled("before its Slurm job was submitted")
         self.spec.payload.write(self.run_dir.payload)
-        script = batch_script(self.run_dir.path, "rank", sys.executable)
+        script = batch_script(self.run_dir.path, "rank", sys.executable, gpus=p.use_gpus)
         args = [
             *resource_args(p.num_nodes, p.tasks_per_node, p.use_gpus, p.tasks_per_node),
             f"--job-name=gpufleet-{self.run_id}",

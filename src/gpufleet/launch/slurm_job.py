@@ -278,10 +278,15 @@ def resource_args(num_nodes: int, per_node: int, use_gpus: bool, tasks_per_node:
     return args
 
 
-def batch_script(folder: Path, mode: str, python: str) -> Path:
-    """Write the job's batch script into ``folder`` (paths only: the environment comes with sbatch)."""
+def batch_script(folder: Path, mode: str, python: str, gpus: bool = True) -> Path:
+    """Write the job's batch script into ``folder`` (paths only: the environment comes with sbatch).
+
+    ``gpus=False``: the tasks see no GPU (Slurm unsets ``CUDA_VISIBLE_DEVICES`` for a job without
+    GPUs on a node that has them, and without device cgroups every GPU is then visible).
+    """
     path = folder / "slurm-batch.sh"
-    path.write_text(f"#!/bin/bash\nexec {_quote(python)} -m gpufleet.launch.slurm_node batch {mode} {_quote(str(folder))}\n")
+    cpu = "" if gpus else " cpu"
+    path.write_text(f"#!/bin/bash\nexec {_quote(python)} -m gpufleet.launch.slurm_node batch {mode} {_quote(str(folder))}{cpu}\n")
     os.chmod(path, 0o700)
     return path
 

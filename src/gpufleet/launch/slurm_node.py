@@ -15,6 +15,8 @@ preempted mark, and starts one task per rank or per node with ``srun``:
   runs under the node guard (:mod:`gpufleet.workload.guard`) with its output in ``node-N.log``; its
   exit code is written to ``node-N.exit`` (atomically) for the supervisor.
 
+A trailing ``cpu`` (a job without GPUs) empties ``CUDA_VISIBLE_DEVICES`` in every task: Slurm unsets
+it for such a job on a node that has GPUs, and without device cgroups the tasks would see them all.
 Everything else of the environment came with ``sbatch --export=ALL`` from the submitting process.
 The run folder must be on storage that the login node and every node of the job share.
 """
@@ -53,7 +55,7 @@ def _say(message: str) -> None:
     print(f"gpufleet: {message}", file=sys.stderr, flush=True)
 
 
-def batch(mode: str, folder: Path) -> int:
+def batch(mode: str, folder: Path, cpu: bool = False) -> int:
     """The batch step: rendezvous address, the preemption signal, one task per rank/node through srun."""
     from .ports import find_free_port
 
@@ -74,7 +76,7 @@ def batch(mode: str, folder: Path) -> int:
     cpus = int(os.environ.get("SLURM_CPUS_ON_NODE", "1").split("(")[0] or 1)
     tasks = int(os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1) if mode == "rank" else 1
     cmd = ["srun", "--export=ALL", "--kill-on-bad-exit=0", f"--cpus-per-task={max(1, cpus // tasks)}",
-           sys.executable, "-m", "gpufleet.launch.slurm_node", "task", mode, str(folder)]  # fmt: skip
+           sys.executable, "-m", "gpufleet.launch.slurm_node", "task", mode, str(folder), *(["cpu"] if cpu else [])]  # fmt: skip
     step = subprocess.Popen(cmd)
     while True:
         try:
@@ -143,12 +145,15 @@ def _node_task(folder: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 3 or argv[0] not in ("batch", "task") or argv[1] not in ("rank", "node"):
-        print("usage: python -m gpufleet.launch.slurm_node batch|task rank|node FOLDER", file=sys.stderr)
+    if (len(argv) not in (3, 4) or argv[0] not in ("batch", "task") or argv[1] not in ("rank", "node")
+            or argv[3:] not in ([], ["cpu"])):  # fmt: skip
+        print("usage: python -m gpufleet.launch.slurm_node batch|task rank|node FOLDER [cpu]", file=sys.stderr)
         return 2
-    where, mode, folder = argv[0], argv[1], Path(argv[2])
+    where, mode, folder, cpu = argv[0], argv[1], Path(argv[2]), argv[3:] == ["cpu"]
     if where == "batch":
-        return batch(mode, folder)
+        return batch(mode, folder, cpu)
+    if cpu:  # a job without GPUs: Slurm unset CUDA_VISIBLE_DEVICES, and a node's GPUs must stay unseen
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     return _rank_task(folder) if mode == "rank" else _node_task(folder)
 
 

@@ -185,7 +185,7 @@ class SlurmExecutor(NodeExecutor):
         if "OMP_NUM_THREADS" not in self.config.env_strings() and "OMP_NUM_THREADS" not in os.environ:
             env.pop("OMP_NUM_THREADS", None)  # from this machine's cores: each node sets its own
         c = self.config.compute
-        script = batch_script(self.folder, "node", sys.executable)
+        script = batch_script(self.folder, "node", sys.executable, gpus=c.gpu_type is not None)
         args = [
             *resource_args(c.num_nodes, c.per_node, c.gpu_type is not None, tasks_per_node=1),
             f"--job-name=gpufleet-{env.get('GPUFLEET_RUN_ID', 'run')}",
