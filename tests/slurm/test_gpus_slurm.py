@@ -61,7 +61,7 @@ def test_a_call_gets_its_gpu_from_slurm_and_runs_nccl(tmp_path) -> None:
     assert got["backend"] == "nccl" and got["device"] == "cuda:0" and got["sum"] == 1024.0, got
     assert GPUS[0].name in got["name"] or _short_name() in got["name"], got
     assert got["visible"] is not None and got["slurm_gpus"], got  # Slurm chose the GPU (GRES), not gpufleet
-    assert squeue_ids() == []
+    _wait(lambda: not squeue_ids(), "the job to leave the queue (the result comes back while it completes)", timeout=30)
 
 
 TRAIN_ON_GPU = textwrap.dedent(
