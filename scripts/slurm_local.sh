@@ -24,7 +24,7 @@ NODES=(node1 node2)
 GRACE=${GPUFLEET_SLURM_GRACE_S:-30}
 # GPUs each emulated node offers as GRES (`--gpus-per-node`): the machine's NVIDIA devices, which
 # both nodes share (one host); $GPUFLEET_SLURM_GPUS overrides the count, 0 for none.
-gpu_files() { ls /dev/nvidia[0-9]* 2>/dev/null | sort -V; }
+gpu_files() { { ls /dev/nvidia[0-9]* 2>/dev/null || true; } | sort -V; }
 GPUS=${GPUFLEET_SLURM_GPUS:-$(gpu_files | wc -l)}
 PY=/usr/bin/python3
 [ -x "$PY" ] || PY=$(command -v python3)
