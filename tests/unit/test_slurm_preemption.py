@@ -48,7 +48,7 @@ class FakeJob:
         return self.seen
 
     def requeued(self) -> bool:
-        return False
+        return self.current.restarts > 0
 
     def cancel(self, wait_s: float = 30.0) -> JobState:
         self.canceled_with_mark = (self.folder / CANCELED_FILE).exists()
@@ -107,6 +107,19 @@ def test_the_batch_step_s_time_limit_mark_is_a_preemption(tmp_path: Path) -> Non
     _exit(tmp_path, 0, 0)
     _exit(tmp_path, 1, 0)
     assert [n.poll() for n in nodes] == [PREEMPTED_EXIT_CODE] * 2
+
+
+def test_a_job_slurm_requeued_anyway_is_a_preemption_and_leaves_the_queue(tmp_path: Path) -> None:
+    # jobs go in --no-requeue; a site policy or an administrator may requeue one all the same: it
+    # would wait behind Slurm's begin-time hold with the old attempt's environment
+    ex, job, nodes = _attempt(tmp_path, JobState("RUNNING"))
+    assert nodes[0].poll() is None
+    job.current = JobState("PENDING", reason="BeginTime", restarts=1)
+    job.seen = None
+    assert [n.poll() for n in nodes] == [PREEMPTED_EXIT_CODE] * 2
+    assert ex.preempted == "preempted: Slurm requeued job 41"
+    nodes[0].cleanup()
+    assert job.canceled_with_mark is True  # canceled, not left to its hold; the next attempt is a new job
 
 
 def test_gpufleet_marks_its_own_cancel_before_it_signals_the_job(tmp_path: Path) -> None:
