@@ -135,22 +135,24 @@ def test_ctrl_c_at_the_caller_cancels_the_job_and_leaves_nothing(tmp_path) -> No
     script = tmp_path / "caller.py"
     script.write_text(INTERRUPTED)
     runs = tmp_path / "runs"
-    proc = subprocess.Popen([sys.executable, str(script), str(runs)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    err_file = tmp_path / "caller.err"  # a file: only the reader below reads the caller's stdout
+    with open(err_file, "w") as err_out:
+        proc = subprocess.Popen([sys.executable, str(script), str(runs)], stdout=subprocess.PIPE, stderr=err_out,
+                                text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()
     try:
         deadline = time.monotonic() + 120
         while not all(any(f"[rank {r}] rank is up" in line for line in lines) for r in (0, 1)):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines) + proc.stderr.read()  # type: ignore[union-attr]
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines) + err_file.read_text()
             time.sleep(0.2)
         assert squeue_ids()
         run_id = next(p.name for p in runs.iterdir() if p.is_dir())
         proc.send_signal(signal.SIGINT)
-        err = proc.communicate(timeout=90)[1]
-        reader.join(5)
-        assert "CAUGHT KeyboardInterrupt" in "".join(lines), "".join(lines) + err
+        proc.wait(timeout=90)
+        reader.join(5)  # the pipe's last lines: it ends at the caller's exit
+        assert "CAUGHT KeyboardInterrupt" in "".join(lines), "".join(lines) + err_file.read_text()
     finally:
         proc.kill()
     assert _wait_empty()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import textwrap
 import time
@@ -240,7 +241,8 @@ def test_a_failed_attempt_is_retried_as_a_new_job_and_the_timeout_stops_the_next
     assert rc == 0 and f"run {run_id} TIMEDOUT" in err, err
     assert run["state"] == "TIMEDOUT", run
     first, second = run["attempts"]
-    assert first["state"] == "FAILED" and "node 0 exited with code 3" in first["message"], first
+    # both nodes exit 3 at about the same time: the first one seen is named
+    assert first["state"] == "FAILED" and re.search(r"node [01] exited with code 3", first["message"]), first
     assert second["state"] == "TIMEDOUT" and "timeout_minutes=0.25" in second["message"], second
     jobs = [_job_of(capsys, run_id, 1), _job_of(capsys, run_id, 2)]
     assert jobs[0] and jobs[1] and jobs[0] != jobs[1]  # the retry is a new job
