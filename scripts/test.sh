@@ -4,6 +4,9 @@
 # background meanwhile; the tests that run in them come last and wait for their build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Python may keep what it compiles: with PYTHONDONTWRITEBYTECODE (set in some CI environments)
+# each of the suite's hundreds of processes compiles gpufleet's modules and the tests anew
+unset PYTHONDONTWRITEBYTECODE
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 . scripts/pip_install.sh  # CPU builds of torch without an NVIDIA GPU; says which build it took

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -10,7 +16,8 @@ from nbclient import NotebookClient
 
 CELLS = [
     # torch (and with it the CPU runtime) is imported in the kernel before any launch
-    "import os, torch\nfrom gpufleet import distributed, runtime\nx = torch.ones(2)\nprint('KERNEL', os.getpid())",
+    "import os, torch\nfrom gpufleet import distributed, runtime\nx = torch.ones(2)\nprint('KERNEL', os.getpid())\n"
+    "MARKS = os.environ['GPUFLEET_TEST_MARKS']\nopen(os.path.join(MARKS, 'kernel'), 'w').write(str(os.getpid()))",
     # a function defined in a cell, using a class and a constant defined in the notebook
     """
 OFFSET = 100
@@ -51,6 +58,7 @@ except BadBatch as e:
 def hang():
     import time
     print("hanging", flush=True)
+    open(os.path.join(MARKS, f"hanging-{runtime.get_global_rank()}"), "w").close()
     time.sleep(600)
 
 hang.distributed()
@@ -72,28 +80,60 @@ def _text(cell) -> str:
     return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
 
 
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _interrupt_when_hanging(marks: Path, within_s: float = 300.0) -> None:
+    """Interrupt the kernel once, as Jupyter's interrupt button does, when both ranks of the hang cell hang.
+
+    Jupyter sends SIGINT to the kernel's process group; the ranks run in sessions of their own.
+    """
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if all((marks / f"hanging-{rank}").exists() for rank in (0, 1)) and (marks / "kernel").exists():
+            pid = int((marks / "kernel").read_text())
+            group = os.getpgid(pid)
+            if group == os.getpgrp():  # not a group of its own: the kernel alone
+                os.kill(pid, signal.SIGINT)
+            else:
+                os.killpg(group, signal.SIGINT)
+            return
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 def test_decorator_in_a_real_notebook_kernel(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell(src) for src in CELLS]
     hang_index = 6
-
-    def timeout_for(cell):
-        # the hang cell is interrupted after 12 s (wherever its ranks are: the interrupt stops
-        # them all the same); the others end on their own, however long a loaded machine takes
-        return 12 if "def hang" in cell.source else 300
-
+    marks = tmp_path / "marks"
+    marks.mkdir()
     env_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     client = NotebookClient(
         nb,
         kernel_name="python3",
         allow_errors=True,
-        interrupt_on_timeout=True,
-        timeout_func=timeout_for,
+        timeout=300,  # each cell ends on its own (the hang cell by the interrupt), however loaded the machine
+        iopub_timeout=60,  # a cell's last outputs may come late on a loaded machine; returns once they are in
         resources={"metadata": {"path": env_root}},
     )
-    client.execute()
+    interrupter = threading.Thread(target=_interrupt_when_hanging, args=(marks,), daemon=True)
+    interrupter.start()
+    with _env(GPUFLEET_TEST_MARKS=str(marks)):  # the kernel inherits it
+        client.execute()
+    interrupter.join(5)
     outputs = [_text(c) for c in nb.cells]
     assert "RUN1 [103.0, 123.0]" in outputs[2]
     assert "RUN2 [103.0, 133.0]" in outputs[3]

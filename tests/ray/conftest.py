@@ -68,8 +68,9 @@ class TwoNodeCluster:
         return self.cluster.address
 
     def shutdown(self) -> None:
-        if ray.is_initialized():
-            ray.shutdown()
+        from gpufleet.launch.ray_connect import disconnect
+
+        disconnect()  # after the threads still waiting on Ray are out of it (a shutdown under them crashes)
         if self.cluster is not None:
             self.cluster.shutdown()
         for p in cluster_processes(self.temp_dir):  # a node whose start failed is not in the cluster

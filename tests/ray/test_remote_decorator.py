@@ -48,7 +48,7 @@ def _rank_one_raises() -> int:
 
     if runtime.get_global_rank() == 1:
         raise CustomTrainingError("loss became NaN at step 3")
-    time.sleep(60)
+    time.sleep(3600)  # until gpufleet stops it
     return 0
 
 
@@ -135,10 +135,9 @@ def test_rank_exception_keeps_its_type(two_nodes, tmp_path):
         _rank_one_raises, gpus=2, gpu_type="cpu", remote=two_nodes.address,
         runs_dir=str(tmp_path), grace_period_s=1.0, timeout=120,
     )
-    t0 = time.monotonic()
     with pytest.raises(CustomTrainingError, match="loss became NaN") as info:
         f.distributed()
-    assert time.monotonic() - t0 < 50  # rank 0 is stopped, not waited for
+    assert info.value.gpufleet_error.failures[0].kind == "stopped"  # rank 0 is stopped, not waited for
     assert info.value.gpufleet_rank == 1
     assert isinstance(info.value.__cause__, errors.RemoteTraceback)
     assert "_rank_one_raises" in str(info.value.__cause__)

@@ -176,8 +176,8 @@ def test_the_time_limit_signal_checkpoints_and_the_resubmitted_attempt_resumes(t
     rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--no-tracking")
     assert rc == 0, out + err
     run_id = out.split()[0]
-    _wait(lambda: (tmp_path / "ready").exists(), "the first attempt to train a few steps")
-    job_id = _job_of(capsys, run_id)
+    # Slurm may send the signal early (by up to its event resolution): at any step of attempt 1
+    job_id = _wait(lambda: _job_of(capsys, run_id), "the first attempt's Slurm job")
     run = _ended(capsys, run_id)
     assert run["state"] == "SUCCESS", run
     attempts = run["attempts"]
@@ -187,7 +187,7 @@ def test_the_time_limit_signal_checkpoints_and_the_resubmitted_attempt_resumes(t
     lines = _steps(tmp_path / "steps-0.txt")
     first = [s for a, s, _ in lines if a == 1]
     second = [s for a, s, _ in lines if a == 2]
-    assert first[-1] == 3 and second[0] == 4, lines  # checkpointed at that step, resumed right after it
+    assert first and second[0] == first[-1] + 1, lines  # checkpointed at that step, resumed right after it
     assert [w for _, _, w in lines] == [float(s) for _, s, _ in lines] == [float(i + 1) for i in range(12)], lines
     assert "slurm job" in cli(capsys, "get", run_id)[1]
     assert job_id not in squeue_ids()

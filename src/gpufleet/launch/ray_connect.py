@@ -6,6 +6,7 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,12 @@ from ..errors import LaunchConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["connect", "import_ray", "runtime_env_for"]
+__all__ = ["before_disconnect", "connect", "disconnect", "import_ray", "runtime_env_for"]
 
 _connected_address: str | None = None
 _connected_kwargs: dict[str, Any] | None = None
 _connect_lock = threading.Lock()
+_before_disconnect: list[Callable[[], None]] = []
 
 
 def import_ray() -> Any:
@@ -49,7 +51,7 @@ def connect(address: str, init_kwargs: dict[str, Any] | None = None) -> Any:
                 return ray
             if _connected_address == address and _connected_kwargs == kwargs:
                 return ray
-            ray.shutdown()
+            _end(ray)
         handlers = _python_signal_handlers()
         try:
             ray.init(address=address, **kwargs)
@@ -62,6 +64,37 @@ def connect(address: str, init_kwargs: dict[str, Any] | None = None) -> Any:
             _restore_signal_handlers(handlers)
         _connected_address, _connected_kwargs = address, kwargs
     return ray
+
+
+def before_disconnect(hook: Callable[[], None]) -> None:
+    """Run ``hook`` before this process's Ray connection ends (once per registration).
+
+    A thread still inside ``ray.wait`` or ``ray.get`` when Ray shuts down crashes the whole
+    process (SIGSEGV in Ray's core worker): what waits on Ray in the background registers a
+    hook that stops its threads and returns once they are out of Ray.
+    """
+    with _connect_lock:
+        if hook not in _before_disconnect:
+            _before_disconnect.append(hook)
+
+
+def disconnect() -> None:
+    """End this process's Ray connection, after the :func:`before_disconnect` hooks have run."""
+    ray = import_ray()
+    with _connect_lock:
+        _end(ray)
+
+
+def _end(ray: Any) -> None:
+    global _connected_address, _connected_kwargs
+    for hook in list(_before_disconnect):
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - a hook must not keep the connection from ending
+            logger.exception("a hook run before the Ray connection ends failed")
+    if ray.is_initialized():
+        ray.shutdown()
+    _connected_address = _connected_kwargs = None
 
 
 _GUARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

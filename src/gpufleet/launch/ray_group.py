@@ -21,6 +21,7 @@ from ..results import ERROR, OK, RunDir, tail
 from . import failures
 from .group import GroupStartCanceled, GroupStatus, WorkerGroup
 from .logstream import LogConfig, RankLog, failure_text
+from .ray_connect import before_disconnect
 from .spec import LaunchSpec, Rendezvous, slots_by_node
 
 __all__ = ["RayWorkerGroup", "RayPlacement"]
@@ -28,6 +29,7 @@ __all__ = ["RayWorkerGroup", "RayPlacement"]
 logger = logging.getLogger(__name__)
 
 _reapers: set[threading.Thread] = set()  # not daemons: the interpreter waits for them at exit
+_disconnecting = threading.Event()  # set while this process's Ray connection is about to end
 _NODE_DEATH_WAIT_S = 30.0  # how long a dead actor's node may take to be marked dead (Ray health checks)
 
 
@@ -166,13 +168,15 @@ class RayWorkerGroup(WorkerGroup):
         self._schedule_started = time.monotonic()
         logger.debug("run %s: placement group of %d bundles requested", self.run_id, len(bundles))
 
-    def _wait_for(self, ref: Any) -> None:
-        """Wait for ``ref`` while the run is not aborted."""
-        while True:
-            done, _ = self._ray.wait([ref], timeout=self._POLL_WAIT_S)
-            if done:
-                return
-            if self.abort.is_set():
+    def _wait_for(self, *refs: Any) -> None:
+        """Wait until every one of ``refs`` has answered (a value or an error), or the run is aborted.
+
+        Under load a rank's start can take a minute; a cancel or timeout must not wait for it.
+        """
+        pending = list(refs)
+        while pending:
+            _, pending = self._ray.wait(pending, num_returns=len(pending), timeout=self._POLL_WAIT_S)
+            if pending and self.abort.is_set():
                 raise GroupStartCanceled("the run was stopped while its ranks were starting")
 
     def _try_schedule(self, wait_s: float) -> bool:
@@ -222,10 +226,8 @@ class RayWorkerGroup(WorkerGroup):
             env = self.spec.rank_env(slot, self.rendezvous)
             env["GPUFLEET_RAY_NODE_ID"] = self.node_ids[rank]
             starts.append(self._actors[rank].start.remote(payload_ref, env))
-        try:
-            ray.get(starts)
-        except ray.exceptions.RayError as e:
-            self._record_lost_from(starts, e)
+        self._wait_for(*starts)
+        self._record_lost_from(starts)
         for rank in range(self._num_ranks):
             if rank not in self._failures:
                 self._issue(rank)
@@ -373,10 +375,11 @@ class RayWorkerGroup(WorkerGroup):
             log_path=str(log), log_tail=tail(log),
         )
 
-    def _record_lost_from(self, refs: list[Any], error: BaseException) -> None:
-        for rank, ref in enumerate(refs):
+    def _record_lost_from(self, starts: list[Any]) -> None:
+        """Each rank whose start (answered already, see :meth:`_wait_for`) failed is lost."""
+        for rank, ref in enumerate(starts):
             try:
-                self._ray.get(ref, timeout=5)
+                self._ray.get(ref, timeout=0)
             except Exception as e:  # noqa: BLE001 - recorded as that rank's failure
                 self._failures.setdefault(rank, self._lost(rank, e))
 
@@ -452,8 +455,15 @@ class RayWorkerGroup(WorkerGroup):
     def _reap(self, wait_s: float = 10.0) -> None:
         try:
             refs = {a.finish.remote(wait_s, 1.0): r for r, a in enumerate(self._actors)}
-            if refs:
-                ready, _ = self._ray.wait(list(refs), num_returns=len(refs), timeout=wait_s + 15.0)
+            ready: list[Any] = []
+            pending = list(refs)
+            deadline = time.monotonic() + wait_s + 15.0
+            # In slices, so that a connection about to end (_before_ray_disconnects) stops the wait:
+            # a thread still inside ray.wait at ray.shutdown crashes the process.
+            while pending and time.monotonic() < deadline and not _disconnecting.is_set():
+                done, pending = self._ray.wait(pending, num_returns=len(pending), timeout=self._POLL_WAIT_S)
+                ready.extend(done)
+            if not _disconnecting.is_set():
                 for ref in ready:
                     try:
                         self._write(refs[ref], self._ray.get(ref))  # the lines printed while exiting
@@ -468,9 +478,20 @@ class RayWorkerGroup(WorkerGroup):
             _reapers.discard(threading.current_thread())
 
 
+def _before_ray_disconnects() -> None:
+    """Stop the reapers' waits and return once they are out of Ray (see ray_connect.before_disconnect)."""
+    _disconnecting.set()
+    try:
+        for reaper in list(_reapers):
+            reaper.join(timeout=30.0)
+    finally:
+        _disconnecting.clear()
+
+
 def _with_nodes(spec: LaunchSpec, world_size: int, num_nodes: int, use_gpus: bool) -> LaunchSpec:
     from dataclasses import replace
 
     return replace(spec, world_size=world_size, num_nodes=num_nodes, use_gpus=use_gpus)
 
 
+before_disconnect(_before_ray_disconnects)
