@@ -1,8 +1,8 @@
 """The live panel in a real browser: JupyterLab on a loopback port, headless Chromium driven by Selenium.
 
-A cell runs a 2-rank CPU function for about 20 s; the page itself must show the panel with two
-ranks, a step count that grows between two reads, a plot with points, and the summary at the
-end. Screenshots go to the test's folder (and to ``$GPUFLEET_SCREENSHOT_DIR`` when set: the
+A cell runs a 2-rank CPU function (a step every 0.2 s) until the test has seen what it checks; the
+page itself must show the panel with two ranks, a step count that grows between two reads, a plot
+with points, and the summary at the end. Screenshots go to the test's folder (and to ``$GPUFLEET_SCREENSHOT_DIR`` when set: the
 README's picture is made that way). Skipped, with the reason, where Chromium, its driver,
 JupyterLab or Selenium cannot be had (``scripts/setup_browser.sh`` installs the browser).
 JupyterLab, its kernel (and the ranks) and Chromium are stopped at the end, and checked gone.
@@ -34,19 +34,24 @@ os.environ["GPUFLEET_TRACKING"] = "0"
 from gpufleet import distributed, runtime
 from gpufleet.tracking import log_metrics
 
+STOP = os.environ["PANEL_TEST_STOP"]  # the test makes it once the page showed the steps growing
+
 @distributed(gpus=2, gpu_type="cpu", keep_warm=False)
-def train(steps=60):
+def train(steps=600):
     import math, time
     import torch, torch.distributed as dist
     runtime.setup()
     runtime.set_total_steps(steps)
     for step in range(1, steps + 1):
         time.sleep(0.2)
-        dist.all_reduce(torch.ones(1))  # the ranks go in step, as under DDP
+        stop = torch.tensor([float(os.path.exists(STOP))])
+        dist.all_reduce(stop)  # the ranks go in step, as under DDP, and stop at the same step
         runtime.report_step(step)
         log_metrics({"loss": 2.0 * math.exp(-step / 25) + 0.05 * math.sin(step)}, step=step)
         if step % 15 == 0:
             print(f"epoch {step // 15}: step {step}", flush=True)
+        if stop.item() > 0:
+            break
     return step
 
 train.distributed()
@@ -152,7 +157,8 @@ def test_live_panel_in_jupyterlab_and_chromium(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
            "JUPYTER_CONFIG_DIR": str(tmp_path / "jcfg"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "jrt"),
            "JUPYTER_DATA_DIR": str(tmp_path / "jdata"), "IPYTHONDIR": str(tmp_path / "ipy"),
-           "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "jsettings")}  # fmt: skip
+           "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "jsettings"),
+           "PANEL_TEST_STOP": str(tmp_path / "stop")}  # fmt: skip
     news = tmp_path / "jsettings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
     news.parent.mkdir(parents=True)
     news.write_text(json.dumps({"fetchNews": "false"}))  # no news toast over the screenshot
@@ -226,6 +232,7 @@ def test_live_panel_in_jupyterlab_and_chromium(tmp_path):
             _panel_shot(driver, folder / "live-panel-running.png")
             driver.find_element("css selector", ".jp-Notebook .jp-CodeCell").screenshot(str(folder / "live-cell-running.png"))
 
+        (tmp_path / "stop").touch()  # the run ends at its next step: the page shows its summary
         done = until("the summary", summary, 60, 0.5)
         print(f"summary after {time.monotonic() - began:.1f} s")
         assert done["state"] == "SUCCESS" and done["ranks"] == 2, done

@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from gpufleet import distributed, runtime
+from gpufleet.private import private_dir
+from gpufleet.tracking.runs import default_artifact_root, default_tracking_uri
+from gpufleet.tracking.store import ensure_default_store
 
 pytest.importorskip("mlflow")
 
@@ -39,6 +42,11 @@ def test_a_failed_tracked_calls_files_are_private(tmp_path: Path, monkeypatch: p
     home = tmp_path / "home"
     monkeypatch.setenv("GPUFLEET_HOME", str(home))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # gpufleet's default store, in the home
+    # The store is built first, by the code a call's tracking runs: its schema takes 1.5-3 s on a quiet
+    # machine and more than the tracking wait (30 s) on a loaded one, when the call goes on untracked
+    # and has no artifacts to check. The bound has tests of its own (tests/security/test_tracking_server_down.py).
+    private_dir(home)
+    ensure_default_store(Path(default_tracking_uri().removeprefix("sqlite:///")), default_artifact_root())
     f = distributed(_fails_on_rank_one_after_logging_an_artifact, gpus=2, gpu_type="cpu", hang_timeout=30,
                     stream_logs=False)  # fmt: skip
     handle = f.submit()
