@@ -40,8 +40,9 @@ phase "installing, and the browser's and Slurm's packages"
 # Two phases. First every test but those of a machine-wide cluster, on pytest-xdist workers, one
 # per core up to 2 (GPUFLEET_TEST_WORKERS=N for N, 0 for one process), each with a GPUFLEET_HOME of
 # its own; `--dist loadgroup` keeps each module on one worker (tests/conftest.py). Then the tests
-# of Ray's and Slurm's clusters (marker `cluster`), in one process with the machine to themselves:
-# a Ray node whose agent does not start within Ray's fixed 15 s is lost on a busy machine.
+# of Ray's and Slurm's clusters (marker `cluster`), with the machine to themselves (a Ray node whose
+# agent does not start within Ray's fixed 15 s is lost on a busy machine): Ray's on one worker,
+# Slurm's on the other (each cluster is one xdist group); both mostly wait on their cluster.
 # A `-m` of the caller's runs one pytest with it.
 # torch's JIT extensions (DeepSpeed's shared-memory op: two minutes of both cores to build) build
 # once for the whole run, in a folder of its own that both phases share (tests/conftest.py keeps a
@@ -65,7 +66,7 @@ else
   first=0 second=0
   .venv/bin/python -m pytest "${xdist[@]}" -m "not cluster" "$@" || first=$?
   phase "pytest, all but the clusters' tests"
-  .venv/bin/python -m pytest -m cluster "$@" || second=$?
+  .venv/bin/python -m pytest "${xdist[@]}" -m cluster "$@" || second=$?
   phase "pytest, the clusters' tests (Ray, Slurm)"
   # 5: that phase had no test to run (a path without cluster tests, or only those)
   if [ "$first" = 5 ] && [ "$second" = 5 ]; then status=5

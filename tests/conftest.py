@@ -3,8 +3,8 @@ tests of the recipes' separate environments last (scripts/test.sh builds those m
 
 Under pytest-xdist (``-n 2``) every worker has a GPUFLEET_HOME of its own (so its run store,
 MLflow database and fake GPUs' leases too). The tests that start a Ray cluster or use the local
-Slurm cluster are marked ``cluster`` (scripts/test.sh runs them after the others, in one process)
-and get one xdist group each; every other test gets its module's, so that ``--dist loadgroup``
+Slurm cluster are marked ``cluster`` (scripts/test.sh runs them after the others, Ray's group
+on one worker and Slurm's on the other) and get one xdist group each; every other test gets its module's, so that ``--dist loadgroup``
 keeps a module (and its module-scoped fixtures) on one worker.
 """
 
@@ -89,7 +89,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     loadgroup = bool(os.environ.get("PYTEST_XDIST_WORKER")) and items and items[0].config.getvalue("loadgroup")
     for item in items:
         group = _xdist_group(item)
-        if group in ("ray", "slurm"):  # scripts/test.sh runs these after the others, alone (-m cluster)
+        if group in ("ray", "slurm"):  # scripts/test.sh runs these after the others (-m cluster)
             item.add_marker(pytest.mark.cluster)
         if not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(group))
