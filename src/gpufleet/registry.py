@@ -254,12 +254,17 @@ class CallRecorder(ControllerCallback):
     def after_start(self, group: WorkerGroup, attempt: int) -> None:
         if group.run_id not in self._recorded or self._store is None:
             return
-        if group.starts_at_once:
-            self._mark_running(self._store, group)
-        elif group.mlflow_run_id:
+        if not group.starts_at_once and group.mlflow_run_id:
             db = self._store
             self._try(group.run_id, "the MLflow run",
                       lambda: db.update_attempt(group.run_id, attempt, mlflow_run_id=group.mlflow_run_id))  # fmt: skip
+
+    def on_running(self, group: WorkerGroup, attempt: int) -> None:
+        """RUNNING, with where the ranks run: told by the controller, so that a call that ends within a
+        poll of its start (a short call on Slurm or Ray) has its placement recorded too."""
+        if group.run_id not in self._recorded or self._store is None:
+            return
+        self._mark_running(self._store, group)
 
     def _mark_running(self, db: RunStore, group: WorkerGroup) -> None:
         now = time.time()
@@ -306,12 +311,12 @@ class CallRecorder(ControllerCallback):
 
     # -- the caller's watch on its record ------------------------------------------------
     def _poll(self, db: RunStore, group: WorkerGroup, stop: threading.Event) -> None:
-        """Cancel the call when its record asks for it; mark a Ray call RUNNING once its ranks run;
-        record a local call's MLflow run once it is open (it opens while the ranks start)."""
+        """Cancel the call when its record asks for it; record a call's MLflow run once it is open (it
+        opens while the ranks start)."""
         reader = db.with_wait(min(db.wait_s, 0.2))
-        running = group.starts_at_once
         mlflow_run_id = group.mlflow_run_id
         while not stop.wait(POLL_S):
+            running = self._controller is not None and self._controller.group is group and self._controller.state == RUNNING
             if group.mlflow_run_id and group.mlflow_run_id != mlflow_run_id and running:
                 mlflow_run_id = group.mlflow_run_id
                 attempt = int(getattr(group.spec, "attempt", 1))
@@ -325,7 +330,3 @@ class CallRecorder(ControllerCallback):
                 logger.info("run %s: %s", group.run_id, CANCEL_REASON)
                 self._controller.cancel(CANCEL_REASON)
                 return
-            controller = self._controller
-            if not running and controller is not None and controller.state == RUNNING and controller.group is group:
-                running = True
-                self._mark_running(db, group)

@@ -145,6 +145,44 @@ def test_success_returns_values_in_rank_order_and_calls_every_hook(tmp_path):
     assert rec.events == [("before", 1), ("after", 1, "m1"), ("end", 1, "SUCCESS", None)]
 
 
+class RunningRecorder(ControllerCallback):
+    def __init__(self, controller_of) -> None:
+        self.events: list[tuple] = []
+        self.controller_of = controller_of
+
+    def after_start(self, group, attempt):
+        self.events.append(("after", attempt))
+
+    def on_running(self, group, attempt):
+        self.events.append(("running", attempt, str(self.controller_of().state)))
+
+    def on_end(self, group, attempt, state, error):
+        self.events.append(("end", attempt, str(state)))
+
+
+class PlacedLater(FakeGroup):
+    """A group that places its ranks at a later poll (as on Ray or Slurm): not started until then."""
+
+    starts_at_once = False
+
+    def _status(self) -> GroupStatus:
+        return GroupStatus(self.spec.world_size, dict(self.results), dict(self.failures), started=self.polls > 0)
+
+
+@pytest.mark.parametrize("at_once", [True, False])
+def test_the_running_hook_comes_once_before_the_end_also_for_a_call_done_at_its_first_poll(tmp_path, at_once):
+    # a recorder marks the run RUNNING, with its placement, from this hook: a call on Slurm whose
+    # ranks were done by the first poll that saw them must get it too (a poll of its own missed it)
+    script = [[ok(0, "a"), ok(1, "b")]]
+    group_cls = FakeGroup if at_once else PlacedLater
+    holder: list[Controller] = []
+    rec = RunningRecorder(lambda: holder[0])
+    c, _, _ = make(tmp_path, {1: lambda tmp, clock: group_cls(tmp, clock, script)}, callbacks=[rec])
+    holder.append(c)
+    assert c.run() == ["a", "b"]
+    assert rec.events == [("after", 1), ("running", 1, "RUNNING"), ("end", 1, "SUCCESS")]
+
+
 def test_first_failure_settles_then_stops_and_groups_the_same_error(tmp_path):
     script = [[raised(1, ValueError("bad batch"), t=5.0)], [], [raised(0, ValueError("bad batch"), t=6.0)]]
     c, groups, _ = make(tmp_path, [script])

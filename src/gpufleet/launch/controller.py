@@ -85,6 +85,10 @@ class ControllerCallback:
     def after_start(self, group: WorkerGroup, attempt: int) -> None:
         """The group started (a Ray group knows its size now)."""
 
+    def on_running(self, group: WorkerGroup, attempt: int) -> None:
+        """The ranks run: right after :meth:`after_start` for a group that starts them at once (local),
+        at the first poll that finds them running for one that places them later (Ray, Slurm)."""
+
     def on_end(self, group: WorkerGroup, attempt: int, state: RunState, error: BaseException | None) -> None:
         """The attempt ended in ``state``; ``error`` is what the caller gets for it, if any."""
 
@@ -288,6 +292,8 @@ class Controller:
         if group.starts_at_once:
             self.state = RUNNING
         self._call_hooks("after_start", group)
+        if group.starts_at_once:
+            self._call_hooks("on_running", group)
         return group
 
     def _watch(self, group: WorkerGroup) -> AttemptOutcome:
@@ -302,6 +308,7 @@ class Controller:
                 self.status = status
                 if status.started and self.state == PENDING:
                     self.state = RUNNING
+                    self._call_hooks("on_running", group)
                 if self._cancel is not None:  # asked during the poll (a lost node, say): the cancel wins
                     return self._canceled(group)
                 if status.failures:
@@ -463,8 +470,8 @@ class Controller:
         for callback in self._callbacks:
             try:
                 hook = getattr(callback, name, None)
-                if hook is None and name == "on_watch":
-                    continue  # a hook added after some callbacks were written
+                if hook is None:
+                    continue  # a callback that does not subclass ControllerCallback, written before the hook
                 hook(group, self.attempt, *args)  # type: ignore[misc]
             except Exception as e:  # tracking trouble never changes the run's outcome
                 logger.warning("run %s: %s hook of %s failed: %s", group.run_id, name, type(callback).__name__, e)
