@@ -37,6 +37,12 @@ logger = logging.getLogger(__name__)
 
 #: When this process got the scheduler's SIGTERM (None: not yet).
 _terminated_at: float | None = None
+# The last flag collective's work, kept until the next one: freed by the training thread, never by
+# gloo's. Gloo's worker thread marks a collective done, then drops its reference to the work and
+# its tensors; when that reference is the last one, dropping it takes the GIL, and a thread that
+# takes the GIL while the interpreter exits is ended by Python, which aborts the rank
+# ("terminate called without an active exception", SIGABRT) after a run that trained to its end.
+_last_work: Any = None
 
 
 def _on_sigterm(signum: int, _frame: object) -> None:
@@ -100,5 +106,8 @@ def preemption_requested(process_group: Any = None) -> bool:
     backend = str(dist.get_backend(process_group))
     if "gloo" not in backend and torch.cuda.is_available():
         flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
+    global _last_work
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group, async_op=True)
+    work.wait()
+    _last_work = work  # see _last_work
     return bool(flag.item())
