@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -122,7 +123,19 @@ def sleepers_then_lose_the_worker_node(two_nodes, tmp_path):
     ).submit()  # fmt: skip
     deadline = time.monotonic() + 90
     while len(run_processes(handle.run_id)) < 2 * 2:  # two actors, two ranks
-        assert time.monotonic() < deadline, "the ranks did not start"
+        if time.monotonic() > deadline:
+            handle.cancel()  # not left running into the next test
+            raise AssertionError("the ranks did not start")
         time.sleep(0.5)
     two_nodes.worker.kill_raylet()
     return handle
+
+
+@contextlib.contextmanager
+def ended_at_exit(handle):
+    """The call is canceled when the test ends before it (a failed assertion): nothing of it runs on."""
+    try:
+        yield handle
+    finally:
+        if handle.status in ("PENDING", "RUNNING"):
+            handle.cancel()

@@ -11,7 +11,7 @@ import pytest
 
 from gpufleet import distributed, errors
 from tests.proc import run_processes
-from tests.ray.conftest import cluster_processes, sleepers_then_lose_the_worker_node
+from tests.ray.conftest import cluster_processes, ended_at_exit, sleepers_then_lose_the_worker_node
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -176,7 +176,7 @@ def test_cancel_and_timeout_stop_ranks_and_release_the_placement_group(two_nodes
 
 def test_lost_node_fails_clearly_and_leaves_nothing(two_nodes, tmp_path):
     handle = sleepers_then_lose_the_worker_node(two_nodes, tmp_path)
-    with pytest.raises(errors.WorkerGroupError) as info:
+    with ended_at_exit(handle), pytest.raises(errors.WorkerGroupError) as info:
         handle.result(timeout=90)
     lost_node = two_nodes.worker.node_id[:12]
     root = info.value.root_cause

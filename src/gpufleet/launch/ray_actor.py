@@ -52,19 +52,42 @@ class ChildProcess:
         self._cond = threading.Condition()
         self._pumps: list[threading.Thread] = []
         self._sampler: Any = None  # this node's system metrics, when this actor samples them
+        self._sampling_lock = threading.Lock()
+        self._sampling_stopped = False
+        self._sampler_start: threading.Thread | None = None
 
     def _sample_node(self, env: dict[str, str], node_id: str) -> None:
-        """Log this node's GPU/CPU/RAM into the tracked run while the child runs."""
-        if not env.get("MLFLOW_RUN_ID"):
-            return
+        """Log this node's GPU/CPU/RAM into the tracked run while the child runs.
+
+        Started on a thread of its own: the sampler imports MLflow (seconds, a minute on a loaded
+        machine), and the rank's start must not wait for it (the call stays PENDING meanwhile).
+        """
+        if env.get("MLFLOW_RUN_ID"):
+            self._sampler_start = threading.Thread(target=self._start_sampler, args=(env, node_id),
+                                                   name="gpufleet-node-sampler", daemon=True)  # fmt: skip
+            self._sampler_start.start()
+
+    def _start_sampler(self, env: dict[str, str], node_id: str) -> None:
         try:
             from ..tracking.system_metrics import start_node_sampler
         except ImportError:
             return
-        self._sampler = start_node_sampler(env, node_id)
+        sampler = start_node_sampler(env, node_id)
+        with self._sampling_lock:
+            if not self._sampling_stopped:
+                self._sampler, sampler = sampler, None
+        if sampler is not None:  # the child ended while the sampler started
+            sampler.stop()
 
-    def _stop_sampling(self) -> None:
-        sampler, self._sampler = self._sampler, None
+    def _stop_sampling(self, wait_for_start_s: float = 0.0) -> None:
+        """Stop the node's sampler; after a child that ended by itself, first let a sampler still
+        starting take its samples (``wait_for_start_s``): a short run keeps its node's metrics."""
+        starting = self._sampler_start
+        if wait_for_start_s > 0 and starting is not None:
+            starting.join(wait_for_start_s)
+        with self._sampling_lock:
+            self._sampling_stopped = True
+            sampler, self._sampler = self._sampler, None
         if sampler is not None:
             sampler.stop()
 
@@ -120,7 +143,7 @@ class ChildProcess:
         if code is not None:
             for t in self._pumps:  # the last lines before the exit
                 t.join(2.0)
-            self._stop_sampling()
+            self._stop_sampling(wait_for_start_s=30.0)
         outcome = self._outcome()
         with self._cond:
             lines, self._lines = self._lines, []
