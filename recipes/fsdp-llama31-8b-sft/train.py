@@ -101,7 +101,6 @@ def main() -> None:
         }
         print("RESULT " + json.dumps(summary))
         Path(output_dir, "result.json").write_text(json.dumps(summary))
-    end_process_group()
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
@@ -110,14 +109,8 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return str(max(steps)[1]) if steps else None
 
 
-def end_process_group() -> None:
-    """End the process group the Trainer started: left to Python's exit, a gloo group can abort
-    the rank after a successful run (SIGABRT, "terminate called without an active exception")."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
     main()
+    from gpufleet import runtime
+
+    runtime.finish()  # ends the process group and exits without Python's teardown, where gloo can abort the rank

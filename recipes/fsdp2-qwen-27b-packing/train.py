@@ -114,3 +114,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from gpufleet import runtime
+
+    runtime.finish()  # ends the process group and exits without Python's teardown, where gloo can abort the rank

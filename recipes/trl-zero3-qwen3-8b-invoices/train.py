@@ -87,9 +87,10 @@ def main() -> None:
         }
         print("RESULT " + json.dumps(summary))
         Path(output_dir, "result.json").write_text(json.dumps(summary))
-    if torch.distributed.is_initialized():  # left to Python's exit, a gloo group can abort the rank
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    from gpufleet import runtime
+
+    runtime.finish()  # ends the process group and exits without Python's teardown, where gloo can abort the rank

@@ -58,9 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:  # this process's own command line: the console script, ``python -m gpufleet.cli``
         code = main(sys.argv[1:])
         if "mlflow" in sys.modules:  # with MLflow loaded the interpreter's teardown takes most of a second
-            from .launch.worker import fast_exit
+            from .runtime import exit_without_teardown
 
-            fast_exit(code)  # atexit handlers, threads and stdio first, then no module teardown
+            exit_without_teardown(code)  # atexit handlers, threads and stdio first, then no module teardown
         return code
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import threading
 from typing import Any
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "is_main_process",
     "is_distributed_env",
     "setup",
+    "finish",
     "barrier",
     "device",
     "report_step",
@@ -173,6 +175,48 @@ def _end_gloo_group() -> None:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the rank is ending; nothing to add to how it ends
         pass
+
+
+def finish(code: int = 0) -> None:
+    """End this rank's process with ``code``, without the interpreter's teardown.
+
+    Call it last in a training script that torchrun starts::
+
+        if __name__ == "__main__":
+            main()
+            runtime.finish()
+
+    It ends a gloo process group, then does what :func:`exit_without_teardown` says. Ending the
+    group is not enough on its own: a library that keeps a sub-group (DeepSpeed, Accelerate) keeps
+    that group's gloo threads alive, and a thread that frees a finished collective's tensors while
+    Python tears down is ended by Python inside a C++ destructor. The rank then aborts (SIGABRT,
+    "terminate called without an active exception") after it trained to its end, and torchrun
+    fails the attempt. Exiting without the teardown leaves no such moment. An NCCL group is left
+    to its own destructor, as :func:`setup`'s exit hook leaves it.
+    """
+    _end_gloo_group()
+    exit_without_teardown(code)
+
+
+def exit_without_teardown(code: int) -> None:
+    """Exit without tearing down every module (about 0.5 s once torch is loaded).
+
+    Does what matters of a normal shutdown first: joins non-daemon threads (an async
+    checkpoint writer, say), runs atexit handlers (logging, MLflow, Hugging Face) and flushes
+    stdio. Module finalisation and garbage collection at exit are skipped.
+    """
+    shutdown = getattr(threading, "_shutdown", None)
+    try:
+        if shutdown is not None:
+            shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed stream has nothing left to flush
+                pass
+        os._exit(code)
 
 
 def barrier() -> None:

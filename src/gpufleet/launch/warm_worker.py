@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..results import RunDir
+from ..runtime import exit_without_teardown
 from . import worker
 from .spec import PARENT_PID_ENV, Payload
 from .tracebacks import register_sources
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     code = serve(control_dir, rank)
     with contextlib.suppress(Exception):
         remove_control_dir_if_orphaned(control_dir, int(parent) if parent else None)
-    worker.fast_exit(code)
+    exit_without_teardown(code)
     return code
 
 

@@ -331,33 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     ok = call is not None and run_call(*call, rank, run_dir.outcome(rank))
     code = 0 if ok else 1
     if fast:
-        fast_exit(code)
+        from ..runtime import exit_without_teardown
+
+        exit_without_teardown(code)
     sys.stdout.flush()
     sys.stderr.flush()
     return code
-
-
-def fast_exit(code: int) -> None:
-    """Exit without tearing down every module (about 0.5 s once torch is loaded).
-
-    Does what matters of a normal shutdown first: joins non-daemon threads (an async
-    checkpoint writer, say), runs atexit handlers (logging, MLflow, Hugging Face) and flushes
-    stdio. Module finalisation and garbage collection at exit are skipped.
-    """
-    import atexit
-
-    shutdown = getattr(threading, "_shutdown", None)
-    try:
-        if shutdown is not None:
-            shutdown()
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(code)
 
 
 if __name__ == "__main__":
