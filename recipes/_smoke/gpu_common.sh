@@ -2,23 +2,25 @@
 # Before sourcing: repo (the checkout) and out (where logs go). Sets py, the environment and the
 # working directory (recipes/), and defines `selected NAME`, `nb FOLDER ENV=VALUE...` and
 # `wl FOLDER OVERRIDE...`.
-# ACCELERATOR (default GPU_2xH200) is the accelerator type the workloads are submitted with.
+# ACCELERATOR (default GPU_2xH200) is the accelerator type the workloads are submitted with, and
+# NUM_ACCELERATORS (default 2) how many GPUs each recipe takes.
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1 PYTHONPATH="$repo/src:${PYTHONPATH:-}"
 py="${PYTHON:-python}"
 accelerator="${ACCELERATOR:-GPU_2xH200}"
+num="${NUM_ACCELERATORS:-2}"
 cd "$repo/recipes" || exit 1
 
 selected() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 
-wl() {  # a workload folder, then overrides: `gpufleet run --watch` on 2 accelerators, RESULT line or log tail
+wl() {  # a workload folder, then overrides: `gpufleet run --watch` on $num accelerators, RESULT line or log tail
   local name="$1"; shift
   selected "$name" || return 0
   echo "== $name (gpufleet run, $accelerator)"
   local start=$(date +%s) args=()
   for o in "$@"; do args+=(--override "$o"); done
   (cd "$name" && gpufleet run -f workload.yaml --watch --no-tracking --override compute.accelerator_type="$accelerator" \
-     --override compute.num_accelerators=2 --override 'environment.dependencies=[]' "${args[@]}") > "$out/$name.log" 2>&1 \
+     --override compute.num_accelerators="$num" --override 'environment.dependencies=[]' "${args[@]}") > "$out/$name.log" 2>&1 \
     && grep -h "RESULT " "$out/$name.log" | tail -1 || { echo "FAILED (see $out/$name.log)"; tail -20 "$out/$name.log"; }
   echo "   wall $(( $(date +%s) - start ))s"
 }
@@ -28,7 +30,7 @@ nb() {  # notebook, then env assignments
   selected "$name" || return 0
   echo "== $name"
   local start=$(date +%s)
-  env GPUS=2 OUTPUT_DIR="$out/$name" "$@" "$py" _smoke/run_notebook.py "$name"/*.ipynb --out "$out/$name.executed.ipynb" \
+  env GPUS="$num" OUTPUT_DIR="$out/$name" "$@" "$py" _smoke/run_notebook.py "$name"/*.ipynb --out "$out/$name.executed.ipynb" \
     > "$out/$name.log" 2>&1 && "$py" -c "import json,sys; r=json.load(open(sys.argv[1])); r=r.get('second', r) if isinstance(r, dict) else r; print(json.dumps(r[0]))" "$out/$name/results.json" \
     || { echo "FAILED (see $out/$name.log)"; tail -20 "$out/$name.log"; }
   echo "   wall $(( $(date +%s) - start ))s"

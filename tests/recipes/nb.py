@@ -40,10 +40,11 @@ def wait_for_build(name: str, say: Callable[[str], None] = print) -> None:
     say(f"waiting for the recipe environment '{name}' (building in the background: {Path(logs) / f'{name}.log'})")
     started = time.monotonic()
     deadline = started + BUILD_WAIT_S
-    raised = 0
+    raised, next_raise = 0, started
     while not (Path(logs) / f"{name}.rc").exists() and time.monotonic() < deadline:
-        if int(time.monotonic() - started) % 5 == 0:  # its processes and threads, also those started since
+        if time.monotonic() >= next_raise:  # every 5 s: its processes and threads, also those started since
             raised += raise_build_priority(name)
+            next_raise = time.monotonic() + 5.0
         time.sleep(1.0)
     say(f"recipe environment '{name}': waited {time.monotonic() - started:.0f} s"
         + (f" (its build raised from nice 10 to the tests' priority: {raised} threads)" if raised else ""))
