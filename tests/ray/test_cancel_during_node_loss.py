@@ -7,6 +7,7 @@ import time
 import pytest
 
 from gpufleet import errors
+from gpufleet.launch import ray_group
 from tests.proc import run_processes
 from tests.ray.conftest import sleepers_then_lose_the_worker_node
 
@@ -21,8 +22,12 @@ def test_cancel_while_a_node_is_being_lost_returns_promptly(two_nodes, tmp_path)
     handle.cancel()
     with pytest.raises(errors.RunCanceledError):
         handle.result(timeout=60)
-    # about 2 s; it was 13 s here when the cancel waited for the cluster to mark the node dead
-    assert time.monotonic() - t0 < 11, f"cancel took {time.monotonic() - t0:.0f} s"
+    # About 2 s on a quiet machine, 11 s with both cores busy: the stop waits up to grace_period_s
+    # + 10 s for each rank's last report. Without the cancel ending the wait for the cluster to mark
+    # the node dead, it also waited that out (13 s here; up to _NODE_DEATH_WAIT_S). That the cancel
+    # ends it is shown without a cluster in tests/unit/test_ray_group_waits.py.
+    waited = time.monotonic() - t0
+    assert waited < ray_group._NODE_DEATH_WAIT_S, f"the cancel waited {waited:.0f} s, the wait for a lost node"
     assert handle.status == "CANCELED"
     deadline = time.monotonic() + 30
     while run_processes(handle.run_id):

@@ -76,10 +76,14 @@ def test_two_nodes_one_worker_each(two_nodes, tmp_path):
     assert handle.status == "SUCCESS"
 
 
-def _mlflow_env() -> dict[str, str | None]:
+def _mlflow_env(stop: str) -> dict[str, str | None]:
     import os
+    import time
 
     print(f"tracked rank {os.environ['RANK']}", flush=True)
+    deadline = time.monotonic() + 300
+    while not os.path.exists(stop) and time.monotonic() < deadline:  # the test has seen the nodes' metrics
+        time.sleep(0.1)
     return {k: os.environ.get(k) for k in ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI")}
 
 
@@ -104,15 +108,28 @@ def test_remote_call_is_tracked_in_mlflow(two_nodes, tmp_path, monkeypatch):
     experiment = f"ray-{uuid.uuid4().hex[:10]}"
     f = distributed(
         _mlflow_env, gpus=2, gpu_type="cpu", remote=two_nodes.address,
-        runs_dir=str(tmp_path), experiment_name=experiment, stream_logs=False, timeout=120,
-    )
-    handle = f.submit()
-    envs = handle.result(timeout=150)
+        runs_dir=str(tmp_path), experiment_name=experiment, stream_logs=False, timeout=300,
+    )  # the ranks run until the test has seen the metrics (below): up to 240 s
+    stop = tmp_path / "stop"
+    client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    # the ranks run until the test has seen what it checks: each node's sampler starts beside the
+    # ranks (it imports MLflow: a minute or more on a loaded machine) and logs every 10 s
+    with ended_at_exit(f.submit(str(stop))) as handle:
+        try:
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline and handle.status in ("PENDING", "RUNNING"):
+                if handle.mlflow_run_id:
+                    metrics = client.get_run(handle.mlflow_run_id).data.metrics
+                    if {k.split("/")[1] for k in metrics if k.startswith("system/")} >= {"node0", "node1"}:
+                        break
+                time.sleep(1.0)
+        finally:
+            stop.touch()
+        envs = handle.result(timeout=150)
     run_id = handle.mlflow_run_id
     assert run_id and [e["MLFLOW_RUN_ID"] for e in envs] == [run_id, run_id]
     assert envs[0]["MLFLOW_TRACKING_URI"] == os.environ["MLFLOW_TRACKING_URI"]
 
-    client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     exp = client.get_experiment_by_name(experiment)
     assert exp is not None, f"no MLflow experiment {experiment!r}"
     (run,) = client.search_runs([exp.experiment_id])

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from gpufleet.workload.store import RunStore
-from tests.workload.helpers import cli, cli_json, tiny_wheel, wait_no_processes, write_workload
+from tests.workload.helpers import (
+    cli,
+    cli_json,
+    tiny_wheel,
+    wait_no_processes,
+    wait_state,
+    write_workload,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -112,17 +119,36 @@ def test_a_tracked_workload_gets_system_metrics_from_each_node(two_nodes, tmp_pa
 
     mlflow = pytest.importorskip("mlflow")
     monkeypatch.delenv("GPUFLEET_TRACKING", raising=False)
-    command = 'echo "node $NODE_RANK logs into $MLFLOW_RUN_ID; snapshot shipped=$GPUFLEET_SHIPPED_CODE"; sleep 1\n'
-    yaml_path = _two_node_workload(two_nodes, tmp_path, monkeypatch, "two-nodes-tracked", command)
-    rc, out, err = cli(capsys, "run", "-f", str(yaml_path), "--watch")
+    stop = tmp_path / "stop"
+    # the nodes run until the test has seen what it checks: each node's sampler starts beside the
+    # ranks (it imports MLflow: a minute or more on a loaded machine) and logs every 10 s
+    command = ('echo "node $NODE_RANK logs into $MLFLOW_RUN_ID; snapshot shipped=$GPUFLEET_SHIPPED_CODE"\n'
+               'for i in $(seq 3000); do [ -e "$STOP_FILE" ] && break; sleep 0.1; done\n')
+    yaml_path = _two_node_workload(two_nodes, tmp_path, monkeypatch, "two-nodes-tracked", command,
+                                   env_variables={"STOP_FILE": str(stop)})
+    rc, out, err = cli(capsys, "run", "-f", str(yaml_path))
     assert rc == 0, out + err
-    run = cli_json(capsys, "get", out.splitlines()[0])
-    mlflow_run_id = run["attempts"][0]["mlflow_run_id"]
-    # the code snapshot also travelled as the Ray job's working_dir (used where the run folder is missing)
-    assert f"node 1 logs into {mlflow_run_id}; snapshot shipped=1" in out
-    metrics = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(mlflow_run_id).data.metrics
-    system = {k for k in metrics if k.startswith("system/")}
+    run_id = out.splitlines()[0]
+    client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    system: set[str] = set()
+    mlflow_run_id = None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            mlflow_run_id = (cli_json(capsys, "get", run_id)["attempts"] or [{}])[0].get("mlflow_run_id")
+            if mlflow_run_id:
+                system = {k for k in client.get_run(mlflow_run_id).data.metrics if k.startswith("system/")}
+                if {k.split("/")[1] for k in system} >= {"node0", "node1"}:
+                    break
+            time.sleep(1.0)
+    finally:
+        stop.touch()
+    store = RunStore(tmp_path / "home")
+    assert wait_state(store, run_id, timeout=120).state == "SUCCESS", cli(capsys, "logs", run_id)[1]
+    # system metrics come from each node the command ran on
     assert {k.split("/")[1] for k in system} == {"node0", "node1"}, system
+    # the code snapshot also travelled as the Ray job's working_dir (used where the run folder is missing)
+    assert f"node 1 logs into {mlflow_run_id}; snapshot shipped=1" in cli(capsys, "logs", run_id)[1]
 
 
 DRIVER = textwrap.dedent(

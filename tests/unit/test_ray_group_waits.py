@@ -144,3 +144,20 @@ def test_a_cancel_ends_the_wait_for_the_ranks_starts(tmp_path: Any) -> None:
     waiter.join(30.0)
     assert not waiter.is_alive(), "the wait for the starts went on after the cancel"
     assert len(raised) == 1 and isinstance(raised[0], GroupStartCanceled)
+
+
+def test_a_cancel_ends_the_wait_that_tells_a_lost_node_from_a_dead_actor(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An actor on a node that went away fails seconds before the cluster marks the node dead; the
+    # group waits up to _NODE_DEATH_WAIT_S (30 s) to name the failure. A cancel ends that wait.
+    fake = FakeRay()
+    monkeypatch.setattr(fake, "nodes", lambda: [{"NodeID": "node1", "Alive": True}])  # never marked dead
+    group = fake_group(fake, tmp_path)
+    failure: list[Any] = []
+    waiter = threading.Thread(target=lambda: failure.append(group._lost(1, FakeRayError("actor unavailable"))), daemon=True)
+    waiter.start()
+    waiter.join(1.5)
+    assert waiter.is_alive(), "the group did not wait for the cluster to mark the node dead"
+    group.abort.set()
+    waiter.join(10.0)  # the wait itself is 30 s
+    assert not waiter.is_alive(), "the wait went on after the cancel"
+    assert failure[0].kind == "lost" and "died (FakeRayError: actor unavailable)" in failure[0].message
