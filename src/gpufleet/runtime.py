@@ -11,7 +11,7 @@ import atexit
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = [
     "get_global_rank",
@@ -177,7 +177,7 @@ def _end_gloo_group() -> None:
         pass
 
 
-def finish(code: int = 0) -> None:
+def finish(code: int = 0) -> NoReturn:
     """End this rank's process with ``code``, without the interpreter's teardown.
 
     Call it last in a training script that torchrun starts::
@@ -191,14 +191,14 @@ def finish(code: int = 0) -> None:
     that group's gloo threads alive, and a thread that frees a finished collective's tensors while
     Python tears down is ended by Python inside a C++ destructor. The rank then aborts (SIGABRT,
     "terminate called without an active exception") after it trained to its end, and torchrun
-    fails the attempt. Exiting without the teardown leaves no such moment. An NCCL group is left
-    to its own destructor, as :func:`setup`'s exit hook leaves it.
+    fails the attempt. Exiting without the teardown leaves no such moment. An NCCL group is not
+    ended here (ending it could wait on a lost peer); the process's exit releases it.
     """
     _end_gloo_group()
     exit_without_teardown(code)
 
 
-def exit_without_teardown(code: int) -> None:
+def exit_without_teardown(code: int) -> NoReturn:
     """Exit without tearing down every module (about 0.5 s once torch is loaded).
 
     Does what matters of a normal shutdown first: joins non-daemon threads (an async

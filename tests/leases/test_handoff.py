@@ -30,10 +30,11 @@ out = sys.argv[1]
 @distributed(gpus=2, stream_logs=False, gpu_wait=120)
 def use_gpus(name: str, hold_s: float) -> str:
     from gpufleet import runtime
-    path = os.path.join(out, f"{name}-rank{runtime.get_global_rank()}")
-    with open(path + ".tmp", "w") as f:
+    mark = f"{name}-rank{runtime.get_global_rank()}"
+    tmp = os.path.join(out, f".{mark}.tmp")  # a name the test's "a-rank*" never matches
+    with open(tmp, "w") as f:
         f.write(f"{os.getpid()} {time.time()!r} {os.environ.get('CUDA_VISIBLE_DEVICES')}")
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, os.path.join(out, mark))
     time.sleep(hold_s)
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
