@@ -168,7 +168,7 @@ def run_retries(rounds: int, work: Path, base_env: dict[str, str]) -> dict[str, 
     The supervisor has MLflow loaded by then (it attached the first attempt's run), so a retried
     attempt shows what tracking costs per attempt rather than per run.
     """
-    from gpufleet.workload.store import RunStore
+    from gpufleet.runs.store import RunStore
 
     (work / "one_step.py").write_text(ONE_STEP)
     retry = 'if [ "$GPUFLEET_ATTEMPT" = 1 ]; then exit 3; fi; ' + COMMAND

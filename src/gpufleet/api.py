@@ -232,6 +232,7 @@ class DistributedFunction:
         from .faults import faults_env
         from .launch.controller import Controller
         from .launch.logstream import LogConfig
+        from .launch.policy import RetryPolicy
         from .launch.progress import watchdog_env
         from .launch.spec import LaunchSpec, Payload
         from .results import RunDir, new_run_id
@@ -330,7 +331,7 @@ class DistributedFunction:
             )
         return Controller(
             make_group, timeout_s=opts.timeout, grace_period_s=opts.grace_period_s,
-            max_retries=opts.max_retries, callbacks=callbacks, hang_timeout_s=opts.hang_timeout,
+            policy=RetryPolicy.for_call(opts.max_retries), callbacks=callbacks, hang_timeout_s=opts.hang_timeout,
         )
 
     def _warm_key(self, num_workers: int, placement: Any) -> tuple[Any, ...]:

@@ -1,4 +1,4 @@
-"""The ``gpufleet`` command line: run/get/list/logs/cancel/ps/validate/advise/doctor.
+"""The ``gpufleet`` command line: run/validate/schema, get/list/logs/cancel/ps/stacks, advise, doctor.
 
 Each command group lives in its own module and registers its subcommands here through an
 ``add_parsers(subparsers)`` function; this file only wires them together.
@@ -18,13 +18,15 @@ import os
 import sys
 from collections.abc import Sequence
 
-# module path -> the commands it adds (its add_parsers(subparsers) registers them)
+# module path -> the commands it adds (its add_parsers(subparsers) registers them), in the help's order:
+# the workload's own commands, then those of every run (calls and workloads), then the tools
 _COMMAND_MODULES = {
-    "gpufleet.workload.commands": ("run", "get", "list", "logs", "cancel", "validate", "schema"),
-    "gpufleet.workload.ps": ("ps",),
+    "gpufleet.workload.commands": ("run", "validate", "schema"),
+    "gpufleet.runs.commands": ("get", "list", "logs", "cancel"),
+    "gpufleet.runs.ps": ("ps",),
+    "gpufleet.stacks": ("stacks",),
     "gpufleet.strategies.advisor_cli": ("advise",),
     "gpufleet.doctor": ("doctor",),
-    "gpufleet.stacks": ("stacks",),
 }
 
 
@@ -124,7 +126,7 @@ def _unusable_state(e: BaseException) -> bool:
     if isinstance(e, UnsafeStateError):
         return True
     try:
-        from .workload.store import StoreError
+        from .runs.store import StoreError
     except ImportError:
         return False
     return isinstance(e, StoreError)

@@ -39,7 +39,7 @@ from .states import CANCELED, PENDING, RUNNING, RunState
 if TYPE_CHECKING:
     from .launch.controller import Controller
     from .launch.group import WorkerGroup
-    from .workload.store import RunStore
+    from .runs.store import RunStore
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _wait_s() -> float:
 def store() -> RunStore:
     """The run store of ``$GPUFLEET_HOME``, opened once per process (writes wait :func:`_wait_s`)."""
     from .results import gpufleet_home
-    from .workload.store import RunStore
+    from .runs.store import RunStore
 
     key = (str(gpufleet_home()), os.getpid())
     with _lock:
@@ -225,7 +225,7 @@ class CallRecorder(ControllerCallback):
         db = self._open()
         if db is None:
             return
-        from .workload.records import AttemptRecord, RunRecord
+        from .runs.records import AttemptRecord, RunRecord
 
         run_id = group.run_id
         self._call_id = self._call_id or run_id
@@ -296,9 +296,9 @@ class CallRecorder(ControllerCallback):
             self._try(group.run_id, "the MLflow run",
                       lambda: db.update_attempt(group.run_id, attempt, mlflow_run_id=group.mlflow_run_id))  # fmt: skip
         if not self._try(group.run_id, "the end", lambda: db.finish_run(group.run_id, state, message=message)):
-            from .workload.records import write_run_outcome
+            from .runs.records import write_run_outcome
 
-            try:  # the next CLI read records it (gpufleet.workload.liveness.settle)
+            try:  # the next CLI read records it (gpufleet.runs.liveness.settle)
                 write_run_outcome(group.run_dir.path, state, None, message)
             except OSError as e:
                 logger.warning("run %s: could not write its outcome file either: %s", group.run_id, e)

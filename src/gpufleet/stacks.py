@@ -51,8 +51,8 @@ def find_processes(run_id: str) -> list[tuple[Any, dict[str, str]]]:
 def resolve_run(run_id: str, home: str | None = None) -> Any:
     """The run of this store (``home``: its state folder) that ``run_id`` names, fully or by a
     unique prefix, while it runs; LookupError saying why there is nothing to show otherwise."""
-    from .workload.liveness import get_run
-    from .workload.store import RunIdError, RunNotFoundError, RunStore
+    from .runs.liveness import get_run
+    from .runs.store import RunIdError, RunNotFoundError, RunStore
 
     store = RunStore(home)
     try:

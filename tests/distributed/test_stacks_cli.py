@@ -45,7 +45,7 @@ def test_stacks_of_a_running_call(capsys):
 
 
 def test_stacks_of_a_workload_shows_torchruns_children(tmp_path: Path, monkeypatch, capsys):
-    from gpufleet.workload.store import RunStore
+    from gpufleet.runs.store import RunStore
     from tests.workload.helpers import write_workload
 
     monkeypatch.setenv("GPUFLEET_HOME", str(tmp_path / "home"))

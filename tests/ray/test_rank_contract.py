@@ -83,7 +83,7 @@ if os.environ.get("EXIT_RANK") == os.environ["RANK"]:
 
 def test_workload_node_group(tmp_path, monkeypatch, capsys):
     from gpufleet.cli import main
-    from gpufleet.workload.store import RunStore
+    from gpufleet.runs.store import RunStore
     from tests.workload.helpers import write_workload
 
     home = tmp_path / "home"

@@ -12,7 +12,7 @@ import pytest
 
 from gpufleet import distributed, errors
 from gpufleet.private import UnsafeStateError
-from gpufleet.workload.store import RunStore
+from gpufleet.runs.store import RunStore
 from tests.workload.helpers import REPO, cli, write_workload
 
 CPU = {"gpus": 1, "gpu_type": "cpu", "tracking": False, "stream_logs": False}
@@ -104,7 +104,7 @@ def test_logs_follow_of_a_run_deleted_meanwhile_says_so(tmp_path, home, store: R
             follower.wait()
         reader.join(10)
         cli(capsys, "cancel", "--all")
-        from gpufleet.workload.liveness import kill_run_processes
+        from gpufleet.runs.liveness import kill_run_processes
 
         kill_run_processes(run_id, grace_period_s=0.5)
     assert follower.returncode == 1, said

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from gpufleet import distributed
-from gpufleet.workload.store import RunStore
+from gpufleet.runs.store import RunStore
 from tests.workload.helpers import cli, write_workload
 
 CPU = {"gpus": 1, "gpu_type": "cpu", "tracking": False, "stream_logs": False}

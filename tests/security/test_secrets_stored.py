@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from gpufleet import distributed
+from gpufleet.runs.store import RunStore
 from gpufleet.workload.snapshot import scan
-from gpufleet.workload.store import RunStore
 
 
 def _refused() -> None:

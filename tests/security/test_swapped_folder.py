@@ -11,7 +11,7 @@ import pytest
 
 from gpufleet import distributed
 from gpufleet.private import UnsafeStateError
-from gpufleet.workload.store import RunStore
+from gpufleet.runs.store import RunStore
 
 CPU = {"gpus": 2, "gpu_type": "cpu", "tracking": False, "stream_logs": False}
 ATTACK = Path(__file__).with_name("swap_attack.py")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet import distributed
-from gpufleet.workload.store import RunStore
+from gpufleet.runs.store import RunStore
 from tests.security.dead_servers import closed_port, silent_server, stalling_server
 from tests.workload.helpers import cli, wait_no_processes, wait_state, write_workload
 

@@ -44,7 +44,7 @@ def test_two_node_call_returns_every_rank_in_order_with_logs(tmp_path, capfd) ->
     assert "[rank 0] hello from rank 0 on node1" in out
     assert "[rank 1] hello from rank 1 on node2" in out
     assert "hello from rank 1 on node2" in handle.logs(1)
-    from gpufleet.workload.store import RunStore
+    from gpufleet.runs.store import RunStore
 
     placement = RunStore(None).get(handle.run_id).placement  # what `gpufleet get` shows
     assert placement["slurm_job_id"] and placement["hosts"] == ["node1", "node2"], placement

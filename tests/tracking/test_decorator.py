@@ -422,8 +422,8 @@ def _sleep(seconds: float) -> None:
 
 
 def test_the_run_registry_shows_a_running_calls_mlflow_run(client: MlflowClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpufleet.runs.store import RunStore
     from gpufleet.tracking import launch
-    from gpufleet.workload.store import RunStore
 
     real = launch.start_tracked_run
 

@@ -20,6 +20,7 @@ from gpufleet.errors import (
 from gpufleet.launch import failures
 from gpufleet.launch.controller import Controller, ControllerCallback
 from gpufleet.launch.group import GroupStartCanceled, GroupStatus, WorkerGroup
+from gpufleet.launch.policy import RetryPolicy
 from gpufleet.launch.spec import LaunchSpec
 from gpufleet.results import RunDir
 from gpufleet.states import CANCELED, FAILED, RUNNING, SUCCESS, TIMEDOUT
@@ -131,7 +132,9 @@ def make(tmp_path, scripts, clock=None, **kwargs):
         return group
 
     kwargs.setdefault("timeout_s", None)
-    return Controller(make_group, clock=clock, poll_s=0.02, **kwargs), groups, clock
+    policy = {k: kwargs.pop(k) for k in ("max_retries", "retry_on", "timeout_per_attempt", "backoff_s", "cancel_wins")
+              if k in kwargs}  # fmt: skip
+    return Controller(make_group, clock=clock, poll_s=0.02, policy=RetryPolicy(**policy), **kwargs), groups, clock
 
 
 def test_success_returns_values_in_rank_order_and_calls_every_hook(tmp_path):

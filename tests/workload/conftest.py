@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.workload.liveness import kill_run_processes
-from gpufleet.workload.store import RunStore
+from gpufleet.runs.liveness import kill_run_processes
+from gpufleet.runs.store import RunStore
 from tests.workload.helpers import wait_no_processes
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from gpufleet.cli import main
-from gpufleet.workload.store import TERMINAL_STATES, RunStore
+from gpufleet.runs.store import TERMINAL_STATES, RunStore
 from tests.proc import run_processes
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ import pytest
 
 from gpufleet import distributed
 from gpufleet.errors import GPUUnavailableError, RunCanceledError
-from gpufleet.workload.store import RunStore
+from gpufleet.runs.store import RunStore
 from tests.workload.helpers import (
     REPO,
     cli,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.codeversion import code_version, describe
-from gpufleet.workload.store import RunStore
+from gpufleet.runs.store import RunStore
 from tests.workload.helpers import cli, cli_json, write_workload
 
 

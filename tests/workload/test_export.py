@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpufleet.runs.store import RunStore
 from gpufleet.workload.export import load_results
-from gpufleet.workload.store import RunStore
 from tests.workload.helpers import cli, cli_json
 
 REPO = Path(__file__).resolve().parents[2]

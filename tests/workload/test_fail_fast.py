@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from gpufleet.runs.store import RunStore
 from gpufleet.workload.nodes import failed_line, node_script
-from gpufleet.workload.store import RunStore
 from tests.workload.helpers import cli, write_workload
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.workload.store import RunStore
+from gpufleet.runs.store import RunStore
 from tests.live.test_terminal_line import _run_on_pty
 from tests.workload.helpers import REPO, cli_process, wait_state, write_workload
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.workload import view
-from gpufleet.workload.store import RunStore
+from gpufleet.runs import view
+from gpufleet.runs.store import RunStore
 from tests.workload.helpers import cli, cli_json, wait_state, write_workload
 
 FILLER_MB = 50

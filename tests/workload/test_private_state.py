@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.workload.store import RunStore
+from gpufleet.runs.store import RunStore
 from tests.workload.helpers import REPO, cli, wait_no_processes, wait_state, write_workload
 
 OTHER_UID = 54321

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.workload.store import RunStore
+from gpufleet.runs.store import RunStore
 from tests.proc import run_processes
 from tests.workload.helpers import cli, wait_for_text, wait_no_processes, wait_state, write_workload
 
@@ -44,7 +44,7 @@ def test_a_child_that_called_setsid_is_stopped_with_its_attempt(
 
 
 def test_kill_run_processes_counts_every_process_it_stopped() -> None:
-    from gpufleet.workload.liveness import kill_run_processes
+    from gpufleet.runs.liveness import kill_run_processes
 
     run_id = f"kill-count-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "GPUFLEET_RUN_ID": run_id}
@@ -86,10 +86,10 @@ def test_the_nodes_get_omp_num_threads_unless_the_workload_sets_it(
 
 def test_every_workload_error_is_a_gpufleet_error() -> None:
     from gpufleet.errors import GpufleetError
+    from gpufleet.runs.store import RunNotFoundError
     from gpufleet.workload.envs import EnvironmentSetupCanceled, EnvironmentSetupError
     from gpufleet.workload.nodes import ExecutorUnavailableError
     from gpufleet.workload.runner import ExecutorUnavailableError as FromRunner
-    from gpufleet.workload.store import RunNotFoundError
 
     assert FromRunner is ExecutorUnavailableError
     for cls, other in [

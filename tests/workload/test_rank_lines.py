@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from gpufleet.runs.store import RunStore
 from gpufleet.workload.ranklines import RankLines
-from gpufleet.workload.store import RunStore
 from tests.workload.helpers import cli, wait_state, write_workload
 
 TRAIN = """

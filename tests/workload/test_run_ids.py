@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gpufleet.workload.store import PENDING, RunIdError, RunNotFoundError, RunRecord, RunStore
+from gpufleet.runs.store import PENDING, RunIdError, RunNotFoundError, RunRecord, RunStore
 from tests.workload.helpers import cli
 
 A = "20260101-000000-alpha-aaaaaa"

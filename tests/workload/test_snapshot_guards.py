@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from gpufleet.runs.store import RunStore
 from gpufleet.workload import snapshot as snap
 from gpufleet.workload.snapshot import Limits, SnapshotError, list_files, scan
-from gpufleet.workload.store import RunStore
 from tests.workload.helpers import cli, wait_state, write_workload
 
 

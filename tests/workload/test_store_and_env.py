@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.workload.liveness import get_run, list_runs
+from gpufleet.runs.liveness import get_run, list_runs
+from gpufleet.runs.store import PENDING, RUNNING, RunRecord, RunStore
 from gpufleet.workload.snapshot import list_files
-from gpufleet.workload.store import PENDING, RUNNING, RunRecord, RunStore
 from tests.workload.helpers import (
     cli,
     tiny_wheel,

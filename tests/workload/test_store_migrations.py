@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.workload.migrations import _V1, SCHEMA_VERSION
-from gpufleet.workload.store import RunStore, StoreError
+from gpufleet.runs.migrations import _V1, SCHEMA_VERSION
+from gpufleet.runs.store import RunStore, StoreError
 from tests.workload.helpers import cli
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.workload.store import RunStore
+from gpufleet.runs.store import RunStore
 from tests.workload.helpers import cli, write_workload
 
 SCRIPT = textwrap.dedent(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.workload.store import RunStore
+from gpufleet.runs.store import RunStore
 from tests.workload.helpers import cli, wait_state, wait_until, write_workload
 
 

@@ -2,9 +2,11 @@
 
 One loop for every launcher. It owns what no worker group decides for itself: the deadline,
 the settle window after a first failure (so identical errors on several ranks are grouped and
-a secondary error does not hide the root cause), cancel and Ctrl-C, failure classification,
-retries within the time left, and the tracking hooks (:class:`ControllerCallback`). A worker
-group only starts, polls and stops (:mod:`gpufleet.launch.group`).
+a secondary error does not hide the root cause), cancel and Ctrl-C, failure classification, and
+the tracking hooks (:class:`ControllerCallback`). What follows an attempt that did not succeed
+(a retry, a resubmit after a preemption, or the run's end and its state) is its
+:class:`~gpufleet.launch.policy.RetryPolicy`'s decision, which the controller carries out. A
+worker group only starts, polls and stops (:mod:`gpufleet.launch.group`).
 
 One concern past 400 lines: the decisions over a group's life (deadline, settle, cancel,
 Ctrl-C, hang watchdog, retries, hooks), kept in one loop so that their order is seen at once.
@@ -33,16 +35,13 @@ from ..errors import (
 from ..states import CANCELED, FAILED, PENDING, RUNNING, SUCCESS, TIMEDOUT, RunState
 from .failures import failed_error, load_values
 from .group import GroupStartCanceled, GroupStatus, WorkerGroup
+from .policy import Action, AttemptEnded, Decision, RetryPolicy
 from .watchdog import HangSettings, Verdict, Watchdog, write_note
 
 logger = logging.getLogger(__name__)
 
-#: A retry needs at least this much of the call's timeout left.
-MIN_RETRY_S = 1.0
 #: How long the other ranks may still report after a first failure.
 SETTLE_S = 1.0
-#: Attempts a run may lose to its scheduler's preemptions (resubmitted without counting as retries).
-MAX_PREEMPTIONS = 100
 
 _active: weakref.WeakSet[Controller] = weakref.WeakSet()
 
@@ -115,13 +114,10 @@ class Controller:
     Args:
         make_group: builds the worker group of attempt ``n`` (not started). Attempts are numbered
             from 1, for calls and workloads alike (``GPUFLEET_ATTEMPT``, the run store, MLflow).
-        timeout_s: seconds for the whole run (or for each attempt, see ``timeout_per_attempt``);
-            None for no limit.
+        timeout_s: seconds for the whole run (or for each attempt, when the policy's
+            ``timeout_per_attempt`` says so); None for no limit.
         grace_period_s: how long ranks may take to stop after SIGTERM.
-        max_retries: attempts after the first one.
-        retry_on: end states of an attempt that are retried.
-        timeout_per_attempt: the deadline restarts with every attempt (workloads) instead of
-            covering the whole run (calls).
+        policy: what follows an attempt that did not succeed (default: no retry).
         callbacks: hooks around each attempt.
         timeout_subject: how the timeout error names what ran out of time ("the call").
         hang_timeout_s: the hang watchdog's long limit: stop the attempt with a diagnosis once no
@@ -139,9 +135,7 @@ class Controller:
         *,
         timeout_s: float | None,
         grace_period_s: float = 5.0,
-        max_retries: int = 0,
-        retry_on: Sequence[RunState] = (FAILED,),
-        timeout_per_attempt: bool = False,
+        policy: RetryPolicy | None = None,
         callbacks: Sequence[ControllerCallback] = (),
         timeout_subject: str = "the call",
         hang_timeout_s: float | None = None,
@@ -152,9 +146,7 @@ class Controller:
         self._make_group = make_group
         self._timeout_s = timeout_s
         self._grace_period_s = grace_period_s
-        self._max_retries = max_retries
-        self._retry_on = tuple(retry_on)
-        self._timeout_per_attempt = timeout_per_attempt
+        self.policy = policy or RetryPolicy()
         self._callbacks = list(callbacks)
         self._timeout_subject = timeout_subject
         self._hang_timeout_s = hang_timeout_s
@@ -166,6 +158,7 @@ class Controller:
         self._clock = clock
         self._deadline: float | None = None if timeout_s is None else clock() + timeout_s
         self._cancel: tuple[str, float | None] | None = None
+        self._cancel_asked = threading.Event()  # ends a pause between attempts
         self._lock = threading.Lock()
         self.attempt = 1
         self.group: WorkerGroup | None = None
@@ -216,14 +209,12 @@ class Controller:
                 if result.state == SUCCESS:
                     self._end(SUCCESS, result.values, None)
                     return result.values  # type: ignore[return-value]
-                if not self._retryable(result.state):
-                    self._end(result.state, None, result.error)
+                decision = self._decide(result.state)
+                if decision.action is Action.GIVE_UP:
+                    assert decision.state is not None
+                    self._end(decision.state, None, result.error)
                     raise result.error  # type: ignore[misc]
-                self.attempt += 1
-                logger.warning(
-                    "run %s ended %s; retry %d of %d",
-                    self.group.run_id, result.state, self.attempt - 1, self._max_retries,
-                )
+                self._next_attempt(result.state, decision)
                 try:
                     self._begin_attempt()
                 except BaseException as e:
@@ -239,6 +230,7 @@ class Controller:
             if self.finished.is_set() or self._cancel is not None:
                 return
             self._cancel = (reason, grace_period_s)
+        self._cancel_asked.set()
         group = self.group
         if group is not None:
             group.abort.set()
@@ -287,7 +279,7 @@ class Controller:
             group.close(False)
             self._notify_end(group, FAILED, e)
             raise
-        if self._timeout_per_attempt and self._timeout_s is not None:
+        if self.policy.timeout_per_attempt and self._timeout_s is not None:
             self._deadline = self._clock() + self._timeout_s  # an attempt's own time starts with its ranks
         if group.starts_at_once:
             self.state = RUNNING
@@ -436,23 +428,32 @@ class Controller:
             self._notify_end(group, CANCELED, error)
             self._end(CANCELED, None, error)
 
-    def _retryable(self, state: RunState) -> bool:
-        """A retried end state, retries left, not canceled, and time left for another attempt."""
-        if self._cancel is not None or state not in self._retry_on:
-            return False
-        if getattr(self.group, "preempted", None) and self.preemptions < MAX_PREEMPTIONS:
+    def _decide(self, state: RunState) -> Decision:
+        """The policy's decision on the attempt that just ended (logged when it refuses a retry for a reason)."""
+        group = self.group
+        decision = self.policy.decide(AttemptEnded(
+            state, self.attempt, self.preemptions, getattr(group, "preempted", None) or None,
+            self._cancel is not None, self.time_left(),
+        ))  # fmt: skip
+        if decision.action is Action.GIVE_UP and decision.reason:
+            run_id = group.run_id if group else "?"
+            logger.warning("run %s ended %s and is not retried: %s", run_id, state, decision.reason)
+        return decision
+
+    def _next_attempt(self, state: RunState, decision: Decision) -> None:
+        """Count the attempt that ended and say why another one comes; wait out the policy's pause."""
+        run_id = self.group.run_id if self.group else "?"
+        if decision.action is Action.RESUBMIT:
             self.preemptions += 1  # the scheduler took the nodes back: resubmit, not a failure of the run
-            return True
-        if self.attempt - 1 - self.preemptions >= self._max_retries:
-            return False
-        left = self.time_left()
-        if not self._timeout_per_attempt and left is not None and left < MIN_RETRY_S:
-            run_id = self.group.run_id if self.group else "?"
-            logger.warning(
-                "run %s failed and is not retried: the call's timeout leaves %.1f s", run_id, max(left, 0.0)
-            )
-            return False
-        return True
+            logger.warning("run %s: %s; resubmitted (preemption %d of at most %d; no retry spent)",
+                           run_id, decision.reason, self.preemptions, self.policy.max_preemptions)  # fmt: skip
+        else:
+            used = self.policy.retries_used(self.attempt, self.preemptions) + 1
+            logger.warning("run %s ended %s; retry %d of %d%s", run_id, state, used, self.policy.max_retries,
+                           f" in {decision.delay_s:g} s" if decision.delay_s else "")  # fmt: skip
+        self.attempt += 1
+        if decision.delay_s > 0:
+            self._cancel_asked.wait(decision.delay_s)  # a cancel ends the pause; the next start then sees it
 
     # -- ending ---------------------------------------------------------------------------
     def _end(self, state: RunState, values: list[Any] | None, error: BaseException | None) -> None:

@@ -1,1 +1,1 @@
-"""YAML workloads: schema, run store, background supervisor and the CLI commands."""
+"""YAML workloads: schema, submission, the background supervisor and the run CLI commands."""

@@ -19,10 +19,10 @@ from typing import IO, Any
 from ..errors import EXIT, SIGNAL, DistributedHangError, WorkerGroupError
 from ..launch.controller import ControllerCallback
 from ..launch.group import GroupStartCanceled, WorkerGroup
+from ..runs.store import AttemptRecord, RunRecord, RunStore
 from ..states import CANCELED, FAILED, RUNNING, SUCCESS, TIMEDOUT, RunState
 from .nodes import WorkloadNodeGroup, failed_line
 from .schema import WorkloadConfig
-from .store import AttemptRecord, RunRecord, RunStore
 
 #: Keys ``gpufleet run`` adds to the stored config of a run (not workload fields): the code
 #: version (:func:`gpufleet.codeversion.code_version`) and where its MLflow runs are.

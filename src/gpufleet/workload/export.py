@@ -330,7 +330,7 @@ def load_results(run: str | os.PathLike[str], home: str | os.PathLike[str] | Non
 
     folder = Path(run)
     if not (folder / RESULTS_DIR).is_dir():
-        from .store import RunStore
+        from ..runs.store import RunStore
 
         folder = Path(RunStore(home).get(str(run)).run_dir)
     return cloudpickle.loads((folder / RESULTS_DIR / "results.pkl").read_bytes())

@@ -39,15 +39,18 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..launch.controller import Controller, ControllerCallback
+from ..launch.policy import RetryPolicy
 from ..launch.spec import LaunchSpec
 from ..private import UnsafeStateError, private_dir, private_file_opener
 from ..results import RunDir
+from ..runs.liveness import process_start_time
+from ..runs.records import touch_alive, write_run_outcome
+from ..runs.store import HEARTBEAT_S, RunNotFoundError, RunStore, StoreError, store_wait_s
 from ..secrets import secret_env
-from ..states import CANCELED, FAILED, TIMEDOUT, RunState
+from ..states import CANCELED, FAILED, RunState
 from .attempts import AttemptRecorder, WorkloadTracking, workload_document
 from .executors import create_executor
 from .handoff import Handoff, HandoffMissing
-from .liveness import process_start_time
 from .nodes import (  # noqa: F401 - re-exported: the names this module had before nodes.py
     GRACE_PERIOD_S,
     RAY_EXECUTOR_MODULE,
@@ -60,9 +63,7 @@ from .nodes import (  # noqa: F401 - re-exported: the names this module had befo
     WorkloadNodeGroup,
     needs_cluster,
 )
-from .records import touch_alive, write_run_outcome
 from .schema import WorkloadConfig
-from .store import HEARTBEAT_S, RunNotFoundError, RunStore, StoreError, store_wait_s
 
 logger = logging.getLogger(__name__)
 
@@ -258,9 +259,7 @@ class Supervisor:
             lambda attempt: self.make_group(executor, attempt, bin_dir),
             timeout_s=timeout_min * 60 if timeout_min else None,
             grace_period_s=GRACE_PERIOD_S,
-            max_retries=self.run.max_attempts - 1,
-            retry_on=(FAILED, TIMEDOUT),  # every end but SUCCESS and CANCELED
-            timeout_per_attempt=True,
+            policy=RetryPolicy.for_workload(self.run.max_attempts),
             callbacks=callbacks,
             timeout_subject="the attempt",
             hang_timeout_s=self.config.hang_timeout_minutes * 60 if self.config.hang_timeout_minutes else None,
@@ -276,8 +275,8 @@ class Supervisor:
         finally:
             executor.close()
         end = recorder.ends[controller.attempt]
-        if controller.canceled and end.state in (FAILED, TIMEDOUT) and controller.attempt - controller.preemptions < self.run.max_attempts:
-            # canceled as a failed attempt ended: the cancel, not the failure, ended the run
+        if controller.state == CANCELED and end.state != CANCELED:
+            # canceled as a failed attempt ended, with attempts left: the cancel, not the failure, ended the run
             what = f"attempt {controller.attempt} ended {end.state}" + (f": {end.message}" if end.message else "")
             return CANCELED, None, f"{self.cancel_reason} before attempt {controller.attempt + 1} ({what})"
         return end.state, end.exit_code, end.message

@@ -19,10 +19,10 @@ import yaml
 
 from ..private import private_dir, private_file_opener
 from ..results import new_run_id
-from .liveness import list_runs, process_start_time
+from ..runs.liveness import list_runs, process_start_time
+from ..runs.store import FAILED, PENDING, RunRecord, RunStore
 from .schema import Problem, WorkloadConfig, WorkloadValidationError, load_workload
 from .snapshot import check_code_source, list_files, scan, snapshot
-from .store import FAILED, PENDING, RunRecord, RunStore
 
 logger = logging.getLogger(__name__)
 

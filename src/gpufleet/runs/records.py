@@ -1,4 +1,4 @@
-"""The records of the run store: one workload run and its attempts, as stored and printed.
+"""The records of the run store: one run (a workload run, or one attempt of a call) and its attempts.
 
 Two small files in a run's folder stand beside its record, written by its supervisor where no
 lock of the store can stop it: ``outcome.json``, how the run ended (written atomically before

@@ -1,4 +1,4 @@
-"""The run store: an embedded SQLite database of workload runs and their attempts.
+"""The run store: an embedded SQLite database of runs (workload runs and decorated calls) and their attempts.
 
 One file (``$GPUFLEET_HOME/runs.db``, created 0600 in a 0700 state folder checked by
 :func:`gpufleet.private.private_dir`) in WAL mode, so several CLI processes and background
@@ -12,8 +12,8 @@ bound it raises :class:`StoreBusyError`; a damaged or unusable file raises
 :class:`StoreError`.
 
 Reads only read (opening the store writes only when it has no tables yet, or an older schema
-version to migrate: :mod:`gpufleet.workload.migrations`; a newer one is refused). A run whose
-supervisor died is found, marked FAILED and stopped by :mod:`gpufleet.workload.liveness`,
+version to migrate: :mod:`gpufleet.runs.migrations`; a newer one is refused). A run whose
+supervisor died is found, marked FAILED and stopped by :mod:`gpufleet.runs.liveness`,
 which the CLI commands read runs through.
 
 One concern past 400 lines: the SQL of the run store (its tables, transactions and retries
@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 from ..errors import GpufleetError
 from ..private import private_dir
 from ..results import gpufleet_home
-from ..states import (  # noqa: F401 - re-exported for the workload modules
+from ..states import (  # noqa: F401 - re-exported for the modules that read runs
     ACTIVE_STATES,
     CANCELED,
     FAILED,
