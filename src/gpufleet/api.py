@@ -307,9 +307,9 @@ class DistributedFunction:
                     return WarmWorkerGroup(spec, run_dir, placement, logs, opts.grace_period_s, warm_key, keep_warm)
                 return LocalWorkerGroup(spec, run_dir, placement, logs, opts.grace_period_s)
 
-        from .registry import CallRecorder
+        from .runs.calls import call_recorder
 
-        callbacks: list[Any] = [CallRecorder(self, launcher)]  # the run store's records
+        callbacks: list[Any] = [call_recorder(self, launcher)]  # the run store's records
         if view is not None:  # first among the hooks: its summary shows before tracking closes the run
             from .live.observer import LiveObserver
 

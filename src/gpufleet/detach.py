@@ -51,8 +51,8 @@ def submit_detached(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 
     from .errors import GpufleetError
     from .private import private_dir, private_file_opener
-    from .registry import call_origin
     from .results import new_run_id
+    from .runs.calls import call_origin
 
     function._bind(args, kwargs)
     try:
@@ -116,7 +116,7 @@ class DetachedRunHandle:
         return self._read_run_id() or "?"
 
     def _record(self) -> Any:
-        from .registry import store
+        from .runs.calls import store
 
         try:
             return store().get(self.run_id)
@@ -176,7 +176,7 @@ class DetachedRunHandle:
 
     def cancel(self, wait: float | None = 30.0) -> None:
         """Stop every rank (the supervisor records the run CANCELED); waits up to ``wait`` seconds."""
-        from .registry import store
+        from .runs.calls import store
 
         with contextlib.suppress(Exception):
             store().request_cancel(self.run_id)

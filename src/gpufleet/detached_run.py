@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     import cloudpickle
 
     from .errors import RunCanceledError
-    from .registry import adopt_origin
+    from .runs.calls import adopt_origin
     from .states import CANCELED, FAILED, SUCCESS
 
     os.umask(0o077)

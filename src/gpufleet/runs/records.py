@@ -71,6 +71,15 @@ def alive_at(run_dir: str | os.PathLike[str]) -> float | None:
         return None
 
 
+@dataclass(frozen=True)
+class AttemptEnd:
+    """How an attempt ended, as the run store records it: its state, its exit code, a message."""
+
+    state: RunState
+    exit_code: int | None = None
+    message: str | None = None
+
+
 @dataclass
 class AttemptRecord:
     """One attempt of a run: its state, MLflow run and per-node processes and logs."""
@@ -115,7 +124,7 @@ class RunRecord:
     cancel_requested: bool = False
     exit_code: int | None = None
     message: str | None = None
-    #: ``workload`` (``gpufleet run``) or ``call`` (one attempt of a ``@distributed`` call, see :mod:`gpufleet.registry`).
+    #: ``workload`` (``gpufleet run``) or ``call`` (one attempt of a ``@distributed`` call, see :mod:`gpufleet.runs.calls`).
     kind: str = "workload"
     #: Where the run came from: ``path`` (script, notebook or workload file), ``host``, ``user``, ``pid``.
     origin: dict[str, Any] = field(default_factory=dict)

@@ -1,25 +1,27 @@
 """What the supervisor does around each attempt: the run store's records and the MLflow run.
 
-Both are :class:`~gpufleet.launch.controller.ControllerCallback` hooks, so the controller that
-runs the attempts stays free of workload concerns. :func:`attempt_end` turns the controller's
-view of an attempt (its end state and error) into what the run store shows: the state, the
-exit code and a message such as ``node 1 exited with code 3; see `gpufleet logs RUN --node 1```.
+The records are written by the run model's one recorder (:class:`~gpufleet.runs.recorder.RunRecorder`)
+with :class:`WorkloadKind`; :func:`attempt_end` turns the controller's view of an attempt (its
+end state and error) into what the run store shows: the state, the exit code and a message such
+as ``node 1 exited with code 3; see `gpufleet logs RUN --node 1```. The MLflow run of each
+attempt is :class:`WorkloadTracking`'s. Both are
+:class:`~gpufleet.launch.controller.ControllerCallback` hooks, so the controller that runs the
+attempts stays free of workload concerns.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from ..errors import EXIT, SIGNAL, DistributedHangError, WorkerGroupError
 from ..launch.controller import ControllerCallback
 from ..launch.group import GroupStartCanceled, WorkerGroup
-from ..runs.store import AttemptRecord, RunRecord, RunStore
+from ..runs.records import AttemptEnd, RunRecord
+from ..runs.store import RunStore
 from ..states import CANCELED, FAILED, RUNNING, SUCCESS, TIMEDOUT, RunState
 from .nodes import WorkloadNodeGroup, failed_line
 from .schema import WorkloadConfig
@@ -58,15 +60,6 @@ def open_attempt_run(
               **mlflow_tags(code_version)},  # fmt: skip
         system_metrics=system_metrics,
     )
-
-
-@dataclass(frozen=True)
-class AttemptEnd:
-    """How an attempt ended, as the run store records it."""
-
-    state: RunState
-    exit_code: int | None = None
-    message: str | None = None
 
 
 def attempt_end(
@@ -128,50 +121,22 @@ def _attempt_end(
     return AttemptEnd(FAILED, None, f"run failed: {cause}")
 
 
-class AttemptRecorder(ControllerCallback):
-    """Records each attempt in the run store: started (RUNNING), its nodes, how it ended.
+class WorkloadKind:
+    """A workload's attempts: rows of the one run its supervisor made, RUNNING from the start."""
 
-    Attributes:
-        ends: how each attempt that ended did, by attempt number.
-    """
+    run_per_attempt = False
+    attempt_start_state = RUNNING
+    watches_cancel = False  # the supervisor gets a signal, and reads the stored request itself
 
-    def __init__(
-        self, store: RunStore, run: RunRecord, timeout_minutes: float | None,
-        cancel_reason: Callable[[], str], log: IO[str],
-    ) -> None:  # fmt: skip
-        self.store = store
-        self.run = run
+    def __init__(self, timeout_minutes: float | None, cancel_reason: Callable[[], str]) -> None:
         self.timeout_minutes = timeout_minutes
         self.cancel_reason = cancel_reason
-        self.log = log
-        self.ends: dict[int, AttemptEnd] = {}
 
-    def before_start(self, group: WorkerGroup, attempt: int) -> None:
-        previous = self.ends.get(attempt - 1)
-        if previous is not None:
-            self.log.write(
-                f"gpufleet: attempt {attempt - 1} ended {previous.state}; retrying ({attempt}/{self.run.max_attempts})\n"
-            )
-            self.log.flush()
-        record = AttemptRecord(
-            run_id=self.run.id, attempt=attempt, state=RUNNING, started_at=time.time(), log_dir=str(group.run_dir.path)
-        )
-        self.store.start_attempt(record)
+    def new_run(self, group: WorkerGroup, attempt: int, first_run_id: str) -> RunRecord:
+        raise AssertionError("a workload's run is made by `gpufleet run`, not per attempt")
 
-    def after_start(self, group: WorkerGroup, attempt: int) -> None:
-        if isinstance(group, WorkloadNodeGroup):
-            self.store.update_attempt(self.run.id, attempt, nodes=group.describe_nodes())
-
-    def on_end(self, group: WorkerGroup, attempt: int, state: RunState, error: BaseException | None) -> None:
-        end = attempt_end(group, state, error, self.timeout_minutes, self.cancel_reason())
-        self.ends[attempt] = end
-        self.store.update_attempt(
-            self.run.id, attempt, state=end.state, ended_at=time.time(), exit_code=end.exit_code, message=end.message
-        )
-
-    def on_watch(self, group: WorkerGroup, attempt: int, note: str | None) -> None:
-        """The hang watchdog's note (a busy rank while the others wait) is the running workload's message."""
-        self.store.update_run(self.run.id, message=note)
+    def end_of(self, group: WorkerGroup, state: RunState, error: BaseException | None) -> AttemptEnd:
+        return attempt_end(group, state, error, self.timeout_minutes, self.cancel_reason())
 
 
 class WorkloadTracking(ControllerCallback):

@@ -44,11 +44,12 @@ from ..launch.spec import LaunchSpec
 from ..private import UnsafeStateError, private_dir, private_file_opener
 from ..results import RunDir
 from ..runs.liveness import process_start_time
+from ..runs.recorder import RunRecorder
 from ..runs.records import touch_alive, write_run_outcome
 from ..runs.store import HEARTBEAT_S, RunNotFoundError, RunStore, StoreError, store_wait_s
 from ..secrets import secret_env
 from ..states import CANCELED, FAILED, RunState
-from .attempts import AttemptRecorder, WorkloadTracking, workload_document
+from .attempts import WorkloadKind, WorkloadTracking, workload_document
 from .executors import create_executor
 from .handoff import Handoff, HandoffMissing
 from .nodes import (  # noqa: F401 - re-exported: the names this module had before nodes.py
@@ -246,7 +247,8 @@ class Supervisor:
         except HandoffMissing as e:
             return CANCELED, None, str(e)
         executor = create_executor(self.config)
-        recorder = AttemptRecorder(self.store, self.run, self.config.timeout_minutes, lambda: self.cancel_reason, self.log)
+        recorder = RunRecorder(WorkloadKind(self.config.timeout_minutes, lambda: self.cancel_reason), self.store,
+                               run_id=self.run.id, log=self.log, max_attempts=self.run.max_attempts)  # fmt: skip
         callbacks: list[ControllerCallback] = [recorder]
         if self.run.tracking:
             callbacks.append(WorkloadTracking(

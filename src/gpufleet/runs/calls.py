@@ -1,0 +1,210 @@
+"""Decorated calls in the run store: each ``@distributed`` attempt is a run of kind ``call``.
+
+:class:`CallKind` is what a call records differently (:mod:`.recorder`): ``DistributedFunction``
+adds a :class:`~gpufleet.runs.recorder.RunRecorder` of this kind to every call (local or Ray, warm
+or cold). Each *attempt* of a call is one run in the same SQLite store as workloads
+(``$GPUFLEET_HOME/runs.db``), because each attempt has its own run id, run folder, rank logs and
+MLflow run: the id an error message names is the id ``gpufleet get/logs/cancel`` take. A retry's
+record carries the first attempt's id as ``config.call_id``. A record holds the function's name,
+where the call came from (``origin``: notebook or script path, host, user, pid), the state, the
+placement (GPUs and host, or Ray nodes), the MLflow run id, the run folder and the times.
+
+The calling process stands where a workload's supervisor does (``supervisor_pid``): a call
+whose caller died is found by the CLI's liveness check, marked FAILED and its ranks stopped.
+Calls have no heartbeat, so a busy caller is never taken for a hung one. ``gpufleet cancel``
+only stores a cancel request for a call (it never signals the caller, which may be a notebook
+kernel): the recorder reads the request once a second and cancels the run, and the caller gets
+:class:`~gpufleet.errors.RunCanceledError`.
+
+Recording never fails a call and never holds it up for long: each write waits at most
+``$GPUFLEET_REGISTRY_WAIT_S`` (0.5 s) for a busy store, then is logged and skipped; how an
+attempt ended goes to ``outcome.json`` in its run folder when the store is busy, which the
+next CLI read records. ``GPUFLEET_REGISTRY=0`` turns recording off.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..states import CANCELED, PENDING, RunState
+from .recorder import RunRecorder
+from .records import AttemptEnd, RunRecord
+
+if TYPE_CHECKING:
+    from ..launch.group import WorkerGroup
+    from .store import RunStore
+
+
+REGISTRY_ENV = "GPUFLEET_REGISTRY"
+WAIT_ENV = "GPUFLEET_REGISTRY_WAIT_S"
+#: Seconds a record waits for a busy store before it is skipped.
+DEFAULT_WAIT_S = 0.5
+#: Seconds the end of an attempt waits for a busy store before it goes to the run folder's outcome file.
+END_WAIT_S = 2.0
+_MESSAGE_CHARS = 2000
+
+_stores: dict[tuple[str, int], RunStore] = {}
+_origin: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    """Whether calls are recorded (``GPUFLEET_REGISTRY`` is not ``0``)."""
+    return os.environ.get(REGISTRY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _wait_s() -> float:
+    try:
+        return max(0.0, float(os.environ[WAIT_ENV]))
+    except (KeyError, ValueError):
+        return DEFAULT_WAIT_S
+
+
+def store() -> RunStore:
+    """The run store of ``$GPUFLEET_HOME``, opened once per process (writes wait :func:`_wait_s`)."""
+    from ..results import gpufleet_home
+    from .store import RunStore
+
+    key = (str(gpufleet_home()), os.getpid())
+    with _lock:
+        found = _stores.get(key)
+        if found is None:
+            found = _stores[key] = RunStore(wait_s=_wait_s())
+        return found
+
+
+def notebook_path() -> str | None:
+    """The path of the notebook this kernel runs, where the front end tells it (Jupyter, VS Code)."""
+    for name in ("JPY_SESSION_NAME", "__session__"):
+        value = os.environ.get(name)
+        if value:
+            return value
+    try:
+        ipython = sys.modules["IPython"].get_ipython()
+        value = ipython.user_ns.get("__vsc_ipynb_file__") if ipython is not None else None
+        return str(value) if value else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def call_origin() -> dict[str, Any]:
+    """Where calls of this process come from: ``kind`` (notebook / script / interactive), ``path``, host, user, pid."""
+    from ..launch.kernel import interactive
+    from ..launch.leases import user_name
+
+    with _lock:
+        if _origin.get("pid") == os.getpid():
+            return dict(_origin)
+    if interactive():
+        kind, path = "notebook", notebook_path() or "(a notebook or IPython session)"
+    else:
+        main = sys.modules.get("__main__")
+        file = getattr(main, "__file__", None)
+        if file:
+            kind, path = "script", os.path.abspath(file)
+        elif sys.argv and sys.argv[0] == "-c":
+            kind, path = "script", "python -c"
+        else:
+            kind, path = "interactive", "(an interactive interpreter)"
+    try:
+        import psutil
+
+        started: float | None = psutil.Process().create_time()
+    except Exception:  # noqa: BLE001
+        started = None
+    found = {"kind": kind, "path": path, "host": socket.gethostname(), "user": user_name(), "pid": os.getpid(),
+             "pid_started": started, "cwd": os.getcwd(), "python": sys.executable}  # fmt: skip
+    with _lock:
+        _origin.clear()
+        _origin.update(found)
+    return dict(found)
+
+
+def adopt_origin(origin: dict[str, Any]) -> None:
+    """Record this process's calls as coming from ``origin`` (a detached supervisor's caller), with its own pid."""
+    try:
+        import psutil
+
+        started: float | None = psutil.Process().create_time()
+    except Exception:  # noqa: BLE001
+        started = None
+    with _lock:
+        _origin.clear()
+        _origin.update({**origin, "pid": os.getpid(), "pid_started": started})
+
+
+def placement_of(group: WorkerGroup) -> dict[str, Any]:
+    """What a started group got: this host's GPUs (or CPU processes), or Ray nodes."""
+    placement = getattr(group, "placement", None)
+    if getattr(placement, "use_gpus", None) is not None and hasattr(placement, "gpu_indices"):  # a local group
+        lease = getattr(group, "lease", None)
+        out: dict[str, Any] = {"host": socket.gethostname(), "device": "gpu" if placement.use_gpus else "cpu",
+                               "gpus": list(placement.gpu_indices) if placement.use_gpus else []}  # fmt: skip
+        if lease is not None and lease.gpus:
+            out["gpu_name"] = lease.gpus[0].name
+        return out
+    out = {"nodes": group.num_nodes, "hosts": list(getattr(group, "cluster_hosts", []) or [])}
+    if getattr(group, "slurm_job_id", None):
+        out["slurm_job_id"] = group.slurm_job_id  # type: ignore[attr-defined]
+    return out
+
+
+def _message(error: BaseException | None, env: Mapping[str, str]) -> str | None:
+    if error is None:
+        return None
+    from ..secrets import mask_env_secrets
+
+    text = mask_env_secrets(f"{type(error).__name__}: {error}", env)  # the call's exception may quote a secret
+    return text if len(text) <= _MESSAGE_CHARS else text[: _MESSAGE_CHARS - 3] + "..."
+
+
+class CallKind:
+    """A decorated call's attempts: each a run of its own, PENDING until its ranks run, canceled by request."""
+
+    run_per_attempt = True
+    attempt_start_state = PENDING
+    watches_cancel = True
+
+    def __init__(self, function: Any, launcher: str) -> None:
+        opts = function.options
+        self.name = opts.name or getattr(function.func, "__name__", "run")
+        self.config = {
+            "function": getattr(function.func, "__qualname__", self.name),
+            "module": getattr(function.func, "__module__", None),
+            "launcher": launcher,
+            "gpus": list(opts.gpus) if isinstance(opts.gpus, tuple) else opts.gpus,
+            "gpu_type": opts.gpu_type,
+            "timeout": opts.timeout,
+            "max_retries": opts.max_retries,
+            "remote": opts.remote if isinstance(opts.remote, str) else bool(opts.remote),
+        }
+        self.max_attempts = opts.max_retries + 1
+        from ..tracking import tracking_enabled
+
+        self.tracking = bool(opts.tracking) and tracking_enabled()
+
+    def new_run(self, group: WorkerGroup, attempt: int, first_run_id: str) -> RunRecord:
+        origin = call_origin()
+        return RunRecord(
+            id=group.run_id, experiment=self.name, state=PENDING, created_at=time.time(),
+            config={**self.config, "attempt": attempt, "call_id": first_run_id},
+            run_dir=str(group.run_dir.path), num_nodes=group.num_nodes or 1, world_size=group.num_ranks,
+            max_attempts=self.max_attempts, tracking=self.tracking, supervisor_pid=origin["pid"],
+            supervisor_started=origin["pid_started"], kind="call", origin=origin,
+        )  # fmt: skip
+
+    def end_of(self, group: WorkerGroup, state: RunState, error: BaseException | None) -> AttemptEnd:
+        if isinstance(error, KeyboardInterrupt):
+            return AttemptEnd(CANCELED, None, "interrupted (KeyboardInterrupt) in the calling process")
+        return AttemptEnd(state, None, _message(error, group.spec.env))
+
+
+def call_recorder(function: Any, launcher: str) -> RunRecorder:
+    """The recorder of one call's attempts (nothing is recorded when ``GPUFLEET_REGISTRY=0``)."""
+    return RunRecorder(CallKind(function, launcher), store if enabled() else (lambda: None), end_wait_s=END_WAIT_S)
