@@ -40,7 +40,6 @@ def common_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-
 def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register get, list, logs and cancel on the ``gpufleet`` parser."""
     p = subparsers.add_parser("get", help="show one run")
@@ -81,16 +80,17 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     p.set_defaults(handler=cmd_cancel)
 
 
-
 # ------------------------------------------------------------------ helpers
 
 
 def print_json(value: Any) -> None:
+    """``value`` as indented JSON on stdout."""
     sys.stdout.write(json.dumps(value, indent=2, default=str) + "\n")
     sys.stdout.flush()
 
 
 def err(msg: str) -> None:
+    """One line on stderr."""
     sys.stderr.write(msg.rstrip("\n") + "\n")
     sys.stderr.flush()
 
@@ -110,6 +110,7 @@ def not_found(e: Exception, args: argparse.Namespace) -> int:
 
 
 def error(msg: str, args: argparse.Namespace, code: int = 1) -> int:
+    """Report an error (``error: ...`` on stderr, and ``{"error": ...}`` with ``-o json``); returns ``code``."""
     if args.output == "json":
         print_json({"error": msg})
     err(f"error: {msg}")
