@@ -122,6 +122,7 @@ def test_failed_attempt_and_retry_each_get_a_run(client: MlflowClient) -> None:
     first, second = _runs(client, exp)
     assert (first.info.status, first.data.tags["gpufleet.status"]) == ("FAILED", "FAILED")
     assert first.data.params["gpufleet.attempt"] == "1" and second.data.params["gpufleet.attempt"] == "2"
+    assert first.data.tags["gpufleet.attempt"] == "1" and second.data.tags["gpufleet.attempt"] == "2"  # as a workload's
     assert second.info.status == "FINISHED"
     error = mlflow.artifacts.load_text(f"{first.info.artifact_uri}/error.txt")
     assert "RuntimeError: first attempt breaks on rank 1" in error and "raised on rank 1" in error

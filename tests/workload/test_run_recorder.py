@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from gpufleet import distributed
 from gpufleet.errors import RunCanceledError, WorkerExitError
@@ -21,7 +22,9 @@ from gpufleet.runs.calls import END_WAIT_S, CallKind
 from gpufleet.runs.liveness import get_run
 from gpufleet.runs.recorder import CANCEL_REASON, RunRecorder
 from gpufleet.runs.records import RunRecord
+from gpufleet.runs.liveline import render_status
 from gpufleet.runs.store import RunStore
+from gpufleet.runs.view import runs_table, status_line
 from gpufleet.states import CANCELED, FAILED, RUNNING, SUCCESS
 from gpufleet.workload.attempts import WorkloadKind
 from tests.unit.test_controller import FakeClock, FakeGroup, exited, ok
@@ -77,6 +80,16 @@ def test_a_call_and_a_workload_whose_first_attempt_fails_both_record_attempts_1_
     # both recorders know how each attempt ended, by the same numbers
     assert sorted(call.ends) == sorted(workload.ends) == [1, 2]
     assert [e.state for e in call.ends.values()] == [e.state for e in workload.ends.values()] == [FAILED, SUCCESS]
+    # and every view numbers the second attempt 2, for both kinds
+    for record in (store.get(runs[1].id), stored):
+        assert record.attempt == 2
+        assert "| attempt 2/2 |" in status_line(record)
+        shown = io.StringIO()
+        Console(file=shown, width=200).print(render_status(record))
+        assert "attempt 2/2" in shown.getvalue()
+        table = io.StringIO()
+        runs_table([record], out=table)
+        assert "2/2" in table.getvalue().splitlines()[1].split()
 
 
 def test_a_calls_end_goes_to_its_outcome_file_while_the_store_is_locked(home: Path, tmp_path: Path) -> None:

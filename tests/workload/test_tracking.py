@@ -53,6 +53,9 @@ def test_each_attempt_is_an_mlflow_run_with_params_metrics_and_logs(
     assert second.data.params["lr"] == "0.01" and second.data.params["optim.name"] == "adamw"
     assert second.data.metrics["loss"] == 0.5
     assert second.data.tags["gpufleet.run_id"] == run.id
+    # the attempt's number: a tag and a parameter, as a call's (tests/tracking/test_decorator.py)
+    assert [(r.data.tags["gpufleet.attempt"], r.data.params["gpufleet.attempt"]) for r in (first, second)] == [
+        ("1", "1"), ("2", "2")]  # fmt: skip
     artifacts = {a.path for a in client.list_artifacts(ids[1], "logs")}
     assert "logs/node-0.log" in artifacts
     assert any(a.path == "workload.yaml" for a in client.list_artifacts(ids[1]))

@@ -58,8 +58,8 @@ def render_status(r: RunRecord, progress: RankProgress | None = None) -> object:
 
     style = STATE_STYLE.get(r.state, "")
     text = Text.assemble(("run ", "dim"), (r.id, "bold"), "  ", (r.state, f"bold {style}"))
-    if r.attempts:
-        text.append(f"  attempt {len(r.attempts)}/{r.max_attempts}", style="dim")
+    if r.attempt:
+        text.append(f"  attempt {r.attempt}/{r.max_attempts}", style="dim")
     text.append(f"  {fmt_duration(r.duration_s)}", style="dim")
     if r.state in TERMINAL_STATES:
         if r.message:

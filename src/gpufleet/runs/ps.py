@@ -87,7 +87,7 @@ def call_details(run: RunRecord, out: IO[str]) -> None:
         ("kind", "call (one attempt of a @distributed call)"),
         ("state", run.state),
         ("function", f"{c.get('function', run.experiment)}" + (f" ({c['module']})" if c.get("module") else "")),
-        ("attempt", f"{c.get('attempt', 1)}/{run.max_attempts}" + (
+        ("attempt", f"{run.attempt or c.get('attempt', 1)}/{run.max_attempts}" + (
             f" (first attempt: {c['call_id']})" if c.get("call_id") and c.get("call_id") != run.id else "")),
         ("launcher", f"{c.get('launcher', '?')}" + (f" {c['remote']}" if isinstance(c.get("remote"), str) else "")),
         ("placement", _placement(run)),

@@ -153,6 +153,18 @@ class RunRecord:
         return 1 if (self.config.get("compute") or {}).get("ray_driver") else self.num_nodes
 
     @property
+    def attempt(self) -> int:
+        """The number of the run's latest attempt, from 1 for calls and workloads alike (0: none yet).
+
+        A call's record is one attempt (its retries are records of their own, numbered on); a
+        workload's attempts are its rows. A preempted attempt is numbered but spends no retry, so
+        after preemptions the number can pass ``max_attempts``.
+        """
+        if self.attempts:
+            return self.attempts[-1].attempt
+        return int(self.config.get("attempt", 0)) if self.is_call else 0
+
+    @property
     def is_active(self) -> bool:
         """Whether the run is still PENDING or RUNNING."""
         return not RunState(self.state).terminal

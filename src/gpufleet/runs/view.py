@@ -32,7 +32,7 @@ def is_terminal(stream: IO[str]) -> bool:
 
 def status_line(run: RunRecord) -> str:
     """One line describing where a run stands."""
-    attempt = len(run.attempts)
+    attempt = run.attempt
     parts = [f"run {run.id}", run.state]
     if attempt:
         parts.append(f"attempt {attempt}/{run.max_attempts}")
@@ -222,7 +222,7 @@ def watch(
 
     def emit_status(r: RunRecord) -> None:
         nonlocal last_status
-        key = f"{r.state}/{len(r.attempts)}"
+        key = f"{r.state}/{r.attempt}"
         if key != last_status:
             last_status = key
             status_out.write(f"gpufleet: {status_line(r)}\n")
@@ -337,7 +337,7 @@ def runs_table(runs: list[RunRecord], out: IO[str] | None = None) -> None:
             r.experiment,
             str(r.num_nodes),
             str(r.world_size),
-            f"{r.config.get('attempt', 1)}/{r.max_attempts}" if r.is_call else f"{len(r.attempts)}/{r.max_attempts}",
+            f"{r.attempt}/{r.max_attempts}",
             fmt_time(r.created_at)[5:],  # MM-dd HH:MM:SS
             fmt_duration(r.duration_s),
         ]
@@ -381,7 +381,7 @@ def run_details(run: RunRecord, out: IO[str] | None = None) -> None:
         ("started", fmt_time(run.started_at)),
         ("ended", fmt_time(run.ended_at)),
         ("duration", fmt_duration(run.duration_s)),
-        ("attempts", f"{len(run.attempts)}/{run.max_attempts}"),
+        ("attempts", f"{run.attempt}/{run.max_attempts}"),
         ("exit code", "-" if run.exit_code is None else str(run.exit_code)),
         ("message", run.message or "-"),
         ("idempotency key", run.idempotency_key or "-"),

@@ -169,6 +169,7 @@ class TrackingCallback(ControllerCallback):
                     "gpufleet.run_dir": str(group.run_dir.path),
                     "gpufleet.function": self._function_name,
                     "gpufleet.launcher": self._launcher,
+                    "gpufleet.attempt": str(attempt),  # a tag and a parameter, as a workload's
                     **self._code_tags,
                 },
                 active_run=active,

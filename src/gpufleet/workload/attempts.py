@@ -54,7 +54,7 @@ def open_attempt_run(
     return start_tracked_run(
         experiment_name=config.experiment_name,
         run_name=attempt_run_name(config, run_id, attempt),
-        params=config.parameters,
+        params={**config.parameters, "gpufleet.attempt": attempt},  # a parameter and a tag, as a call's
         enabled=True,
         tags={"gpufleet.run_id": run_id, "gpufleet.attempt": attempt, "gpufleet.source": "workload",
               **mlflow_tags(code_version)},  # fmt: skip
