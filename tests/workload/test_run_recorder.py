@@ -19,10 +19,10 @@ from gpufleet.errors import RunCanceledError, WorkerExitError
 from gpufleet.launch.controller import Controller
 from gpufleet.launch.policy import RetryPolicy
 from gpufleet.runs.calls import END_WAIT_S, CallKind
+from gpufleet.runs.liveline import render_status
 from gpufleet.runs.liveness import get_run
 from gpufleet.runs.recorder import CANCEL_REASON, RunRecorder
 from gpufleet.runs.records import RunRecord
-from gpufleet.runs.liveline import render_status
 from gpufleet.runs.store import RunStore
 from gpufleet.runs.view import runs_table, status_line
 from gpufleet.states import CANCELED, FAILED, RUNNING, SUCCESS
