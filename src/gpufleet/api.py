@@ -317,10 +317,10 @@ class DistributedFunction:
         from .tracking import tracking_enabled
 
         if opts.tracking and tracking_enabled():  # one MLflow run per attempt; MLflow is imported only then
-            from .tracking.launch import TrackingCallback, call_parameters, code_folder
+            from .tracking.launch import CallTracking, RunTracking, call_parameters, code_folder
 
-            callbacks.append(
-                TrackingCallback(
+            callbacks.append(RunTracking(
+                CallTracking(
                     launcher=launcher,
                     function_name=getattr(self.func, "__qualname__", name),
                     gpus=opts.gpus, gpu_type=opts.gpu_type, experiment_name=opts.experiment_name,
@@ -328,7 +328,7 @@ class DistributedFunction:
                     arguments=call_parameters(self._signature, args, kwargs),
                     run_name=opts.run_name, code_folder=code_folder(self.func),
                 )
-            )
+            ))
         return Controller(
             make_group, timeout_s=opts.timeout, grace_period_s=opts.grace_period_s,
             policy=RetryPolicy.for_call(opts.max_retries), callbacks=callbacks, hang_timeout_s=opts.hang_timeout,

@@ -162,8 +162,8 @@ class RunRecorder(ControllerCallback):
         describe = getattr(group, "describe_nodes", None)
         if describe is not None:  # a workload's nodes: host, pid, log
             fields["nodes"] = describe()
-        if not group.starts_at_once and group.mlflow_run_id:  # opened before the ranks were placed
-            fields["mlflow_run_id"] = group.mlflow_run_id
+        if group.mlflow_run_id and not (self.kind.run_per_attempt and group.starts_at_once):
+            fields["mlflow_run_id"] = group.mlflow_run_id  # (a call whose ranks run at once records it in on_running)
         if fields:
             self._try(self._run_of(group), "the start", lambda: db.update_attempt(self._run_of(group), attempt, **fields))
 
@@ -199,8 +199,10 @@ class RunRecorder(ControllerCallback):
         db = db.with_wait(max(db.wait_s, self._end_wait_s))
         run_id = self._run_of(group)
         if not self.kind.run_per_attempt:
+            mlflow = {"mlflow_run_id": group.mlflow_run_id} if group.mlflow_run_id else {}  # also for a failed start
             self._try(run_id, "the attempt's end", lambda: db.update_attempt(
-                run_id, attempt, state=end.state, ended_at=time.time(), exit_code=end.exit_code, message=end.message))
+                run_id, attempt, state=end.state, ended_at=time.time(), exit_code=end.exit_code, message=end.message,
+                **mlflow))
             return
         if group.mlflow_run_id:  # a local call's MLflow run opens while its ranks start
             self._try(run_id, "the MLflow run",

@@ -1,4 +1,16 @@
-"""Tracking for ``@distributed`` calls: one MLflow run per attempt, as a controller callback."""
+"""One MLflow run per attempt, for calls and workloads alike, as one controller callback.
+
+:class:`RunTracking` opens each attempt's MLflow run, gives every rank ``MLFLOW_RUN_ID``,
+``MLFLOW_TRACKING_URI`` and the experiment before the attempt's code runs, and ends the run with
+its logs and status. A group that takes its environment late (local ranks) starts at once and
+the run opens in a thread meanwhile (the ranks wait for it before they load the call: importing
+MLflow and opening its store overlap their start); a run that was opened already (a workload's
+first attempt, opened by ``gpufleet run``) reaches the ranks at once and is attached in a thread.
+What a kind of run tracks differently (its name, parameters, tags, what it logs once open, once
+started and at its end, and where a problem is told) is its :class:`TrackingProfile`:
+:class:`CallTracking` here, ``WorkloadTracking`` in :mod:`gpufleet.workload.attempts`.
+Tracking never changes a run's outcome and never stops it.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +21,7 @@ import threading
 import traceback
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from ..launch.controller import ControllerCallback
 from ..launch.group import WorkerGroup
@@ -73,19 +85,182 @@ def local_store_warning(uri: str, hosts: list[str]) -> str | None:
     )
 
 
-class TrackingCallback(ControllerCallback):
-    """One MLflow run per attempt of a ``@distributed`` call, local or on Ray.
+class TrackingProfile(Protocol):
+    """What one kind of run tracks differently (module docstring)."""
 
-    It opens the attempt's MLflow run and gives every rank ``MLFLOW_RUN_ID``,
-    ``MLFLOW_TRACKING_URI`` and the experiment before the call runs: for local ranks in a thread
-    while they start (they wait for it before loading the call), elsewhere before the ranks
-    start. When the attempt ends it
-    uploads the per-rank logs (and the error, for a failure or timeout) and sets the run's
-    final status. A local group's size is known before it starts; a Ray group's once it has
-    checked the cluster, and its number of nodes once the ranks are placed (logged at the end).
+    #: The MLflow experiment, or None for the default one.
+    experiment_name: str | None
+    #: Whether an open run nests under the caller's active MLflow run.
+    nests: bool
+
+    def run_name(self, group: WorkerGroup, attempt: int) -> str:
+        """The attempt's MLflow run name."""
+        ...
+
+    def params(self, group: WorkerGroup, attempt: int) -> dict[str, Any]:
+        """Parameters logged once the run is open (``gpufleet.attempt`` among them)."""
+        ...
+
+    def tags(self, group: WorkerGroup, attempt: int) -> dict[str, Any]:
+        """Tags the run opens with (computed in the opening thread: the code version takes a while)."""
+        ...
+
+    def handed_over(self, attempt: int) -> dict[str, Any] | None:
+        """A run opened already for this attempt (``run_id``, ``tracking_uri``, ...), or None."""
+        ...
+
+    def system_metrics(self, group: WorkerGroup) -> bool:
+        """Whether this process samples the machine's GPUs/CPU into the run (on Ray each node samples itself)."""
+        ...
+
+    def opened(self, tracked: TrackedRun, group: WorkerGroup, attempt: int) -> None:
+        """The run is open and its environment given to the ranks."""
+        ...
+
+    def started(self, tracked: TrackedRun, group: WorkerGroup, attempt: int) -> None:
+        """The group started: its size is final."""
+        ...
+
+    def ended(self, tracked: TrackedRun, group: WorkerGroup, attempt: int, state: str,
+              error: BaseException | None) -> str:  # fmt: skip
+        """Log what the attempt left (logs, the error); returns the run's status."""
+        ...
+
+    def warn(self, text: str) -> None:
+        """Tell of a tracking problem (the run goes on untracked, or partly tracked)."""
+        ...
+
+
+class RunTracking(ControllerCallback):
+    """One MLflow run per attempt of a call or a workload (module docstring)."""
+
+    def __init__(self, profile: TrackingProfile) -> None:
+        self.profile = profile
+        self._tracked: dict[int, TrackedRun] = {}
+        self._opening: dict[int, threading.Thread] = {}
+        self._started: dict[int, threading.Event] = {}
+
+    def before_start(self, group: WorkerGroup, attempt: int) -> None:
+        try:
+            from . import runs  # noqa: F401 - tracking can be imported
+        except ImportError as e:
+            self.profile.warn(f"tracking is not available ({e}); this attempt is not tracked")
+            return
+        handed = self.profile.handed_over(attempt)
+        if handed:
+            self._attach(group, attempt, handed)
+            return
+        active = caller_active_run() if self.profile.nests else None  # MLflow keeps it per thread: read it here
+        if not group.takes_late_env:
+            self._open(group, attempt, active, None)
+            return
+        group.defer_env()  # the ranks start now and wait for the run's environment before the call
+        started = self._started[attempt] = threading.Event()  # set once the group has started (its size is final)
+        self._in_thread(group, attempt, self._open, group, attempt, active, started)
+
+    def _in_thread(self, group: WorkerGroup, attempt: int, target: Any, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=f"gpufleet-mlflow-{group.run_id}", daemon=True)
+        self._opening[attempt] = thread
+        thread.start()
+
+    def _open(self, group: WorkerGroup, attempt: int, active: Any, started: threading.Event | None) -> None:
+        """Open the attempt's run and give its environment to the ranks (released even on failure); then
+        what the profile logs, the parameters and the system metrics, while the attempt runs."""
+        env: dict[str, str] = {}
+        tracked: TrackedRun | None = None
+        try:
+            tracked = start_tracked_run(self.profile.experiment_name, self.profile.run_name(group, attempt),
+                                        system_metrics=False, tags=self.profile.tags(group, attempt),
+                                        active_run=active)  # fmt: skip
+            if tracked.enabled:
+                self._tracked[attempt] = tracked
+                env = tracked.env()
+                group.mlflow_run_id = tracked.run_id
+        except Exception as e:  # noqa: BLE001 - tracking trouble never stops a run
+            self.profile.warn(f"MLflow tracking is off for run {group.run_id}: {e}")
+        finally:
+            if group.env_deferred:
+                group.release_env(env)
+            else:
+                group.add_env(env)
+        if tracked is not None and tracked.enabled:
+            self._while_running(tracked, group, attempt, started)
+
+    def _attach(self, group: WorkerGroup, attempt: int, handed: dict[str, Any]) -> None:
+        """A run opened already: its id reaches the ranks at once; MLflow is imported, the run attached and
+        the rest logged in a thread while they start."""
+        from .runs import attach_tracked_run, tracking_env, yield_cpu_to_training
+
+        group.mlflow_run_id = handed["run_id"]
+        group.add_env(tracking_env(handed["run_id"], handed["tracking_uri"], handed.get("experiment_id"),
+                                   handed.get("experiment_name")))  # fmt: skip
+
+        def attach() -> None:
+            yield_cpu_to_training()  # the ranks start meanwhile and do not wait for this
+            try:
+                tracked = attach_tracked_run(handed["run_id"], handed["tracking_uri"], handed.get("experiment_id"),
+                                             handed.get("experiment_name"), system_metrics=False)  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - tracking trouble never stops a run
+                self.profile.warn(f"could not attach the MLflow run {handed['run_id']}: {e}")
+                return
+            self._tracked[attempt] = tracked
+            self._while_running(tracked, group, attempt, None)
+
+        self._in_thread(group, attempt, attach)
+
+    def _while_running(self, tracked: TrackedRun, group: WorkerGroup, attempt: int,
+                       started: threading.Event | None) -> None:  # fmt: skip
+        try:
+            self.profile.opened(tracked, group, attempt)
+        except Exception as e:  # noqa: BLE001
+            self.profile.warn(f"could not record the run in MLflow: {e}")
+        tracked.log_params(self.profile.params(group, attempt))  # a failure is a warning: see TrackedRun
+        if started is not None:  # the ranks run now; their number is known once the group has started
+            started.wait()
+            self.profile.started(tracked, group, attempt)
+        if self.profile.system_metrics(group):
+            tracked.start_system_metrics()
+
+    def _opened(self, attempt: int) -> TrackedRun | None:
+        """The attempt's run, once its opening (in a thread while the ranks start) is done."""
+        opening = self._opening.pop(attempt, None)
+        if opening is not None:
+            opening.join()
+        return self._tracked.get(attempt)
+
+    def after_start(self, group: WorkerGroup, attempt: int) -> None:
+        started = self._started.get(attempt)
+        if started is not None:  # the opening thread tells the profile
+            started.set()
+            return
+        if attempt in self._opening:  # attached in a thread: it logs on its own
+            return
+        tracked = self._tracked.get(attempt)
+        if tracked is not None:
+            self.profile.started(tracked, group, attempt)
+
+    def on_end(self, group: WorkerGroup, attempt: int, state: str, error: BaseException | None) -> None:
+        started = self._started.pop(attempt, None)
+        if started is not None:
+            started.set()  # a group that never started: the opening thread must not wait for it
+        self._opened(attempt)
+        tracked = self._tracked.pop(attempt, None)
+        if tracked is None:
+            return
+        status = state
+        try:
+            status = self.profile.ended(tracked, group, attempt, state, error)
+        except Exception as e:  # noqa: BLE001 - tracking trouble never changes the run's outcome
+            self.profile.warn(f"could not record the attempt in MLflow: {e}")
+        finally:
+            tracked.end(status)
+
+
+class CallTracking:
+    """What a ``@distributed`` call's MLflow runs hold, local or on Ray.
 
     Args:
-        launcher: ``"local"`` or ``"ray"``, recorded as the ``gpufleet.launcher`` tag.
+        launcher: ``"local"``, ``"ray"`` or ``"slurm"``, recorded as the ``gpufleet.launcher`` tag.
         function_name: the decorated function's qualified name.
         gpus: the ``gpus`` setting of the call.
         gpu_type: the ``gpu_type`` setting of the call.
@@ -97,154 +272,71 @@ class TrackingCallback(ControllerCallback):
         code_folder: a folder whose git commit, branch and dirty flag are tagged (``gpufleet.git.*``).
 
     When each attempt's run opens, one line on stderr gives its id and where to see it
-    (:func:`gpufleet.tracking.links.run_line`).
+    (:func:`gpufleet.tracking.links.run_line`). A local group's size is known before it starts; a
+    Ray group's once it has checked the cluster, and its number of nodes once the ranks are placed
+    (logged at the end). A failed or timed-out attempt's error (root cause, remote traceback, the
+    other ranks) is the artifact ``error.txt``.
     """
+
+    nests = True
 
     def __init__(
         self, *, launcher: str, function_name: str, gpus: int | None, gpu_type: str | None,
         experiment_name: str | None, max_retries: int, timeout: float | None,
         arguments: Mapping[str, Any] | None = None, run_name: str | None = None, code_folder: str | None = None,
-    ) -> None:
-        self._launcher = launcher
-        self._function_name = function_name
-        self._gpus = gpus
-        self._gpu_type = gpu_type
-        self._experiment_name = experiment_name
-        self._max_retries = max_retries
-        self._timeout = timeout
-        self._arguments = dict(arguments or {})
-        self._run_name = run_name
-        self._code_folder = code_folder
+    ) -> None:  # fmt: skip
+        self.launcher = launcher
+        self.function_name = function_name
+        self.gpus = gpus
+        self.gpu_type = gpu_type
+        self.experiment_name = experiment_name
+        self.max_retries = max_retries
+        self.timeout = timeout
+        self.arguments = dict(arguments or {})
+        self.name = run_name
+        self.code_folder = code_folder
         self._code_tags: dict[str, str] | None = None
-        self._attempts = 0
-        self._tracked: dict[int, TrackedRun] = {}
-        self._opening: dict[int, threading.Thread] = {}
-        self._started: dict[int, threading.Event] = {}
 
-    def before_start(self, group: WorkerGroup, attempt: int) -> None:
-        params: dict[str, Any] = {
-            "gpufleet.function": self._function_name,
-            "gpufleet.gpus": self._gpus,
-            "gpufleet.gpu_type": self._gpu_type,
-        }
-        params.update({
-            "gpufleet.attempt": attempt, "gpufleet.max_retries": self._max_retries, "gpufleet.timeout_s": self._timeout,
-        })
-        params.update(self._arguments)
-        self._attempts += 1
-        run_name = group.run_id
-        if self._run_name:
-            run_name = self._run_name if self._attempts == 1 else f"{self._run_name}-attempt-{self._attempts}"
-        active = caller_active_run()  # MLflow keeps it per thread: read it here, in the caller's
-        if not group.takes_late_env:
-            self._open(group, attempt, run_name, params, active)
-            return
-        # The ranks start now and wait for the run's environment before the call: importing
-        # MLflow and opening its store (about 2 s on a small machine) overlaps their own start.
-        group.defer_env()
-        self._started[attempt] = threading.Event()  # set once the group has started (its size is final then)
-        opening = threading.Thread(
-            target=self._open, args=(group, attempt, run_name, params, active),
-            name=f"gpufleet-mlflow-{group.run_id}", daemon=True,
-        )
-        self._opening[attempt] = opening
-        opening.start()
+    def run_name(self, group: WorkerGroup, attempt: int) -> str:
+        if not self.name:
+            return group.run_id
+        return self.name if attempt == 1 else f"{self.name}-attempt-{attempt}"
 
-    def _open(self, group: WorkerGroup, attempt: int, run_name: str, params: dict[str, Any], active: Any) -> None:
-        """Open the attempt's MLflow run and give its environment to the ranks (released even on failure);
-        then log the parameters and start the system metrics, while the call runs."""
-        env: dict[str, str] = {}
-        tracked: TrackedRun | None = None
-        try:
-            if self._code_tags is None:  # once per call
-                from ..codeversion import code_version, mlflow_tags
+    def params(self, group: WorkerGroup, attempt: int) -> dict[str, Any]:
+        return {"gpufleet.function": self.function_name, "gpufleet.gpus": self.gpus, "gpufleet.gpu_type": self.gpu_type,
+                "gpufleet.attempt": attempt, "gpufleet.max_retries": self.max_retries,
+                "gpufleet.timeout_s": self.timeout, **self.arguments}  # fmt: skip
 
-                self._code_tags = mlflow_tags(code_version(self._code_folder)) if self._code_folder else {}
-            tracked = start_tracked_run(
-                self._experiment_name,
-                run_name,
-                system_metrics=False,
-                tags={
-                    "gpufleet.run_id": group.run_id,
-                    "gpufleet.run_dir": str(group.run_dir.path),
-                    "gpufleet.function": self._function_name,
-                    "gpufleet.launcher": self._launcher,
-                    "gpufleet.attempt": str(attempt),  # a tag and a parameter, as a workload's
-                    **self._code_tags,
-                },
-                active_run=active,
-            )
-            if tracked.enabled:
-                self._tracked[attempt] = tracked
-                env = tracked.env()
-                group.mlflow_run_id = tracked.run_id
-                self._say_where(tracked)
-        except Exception as e:  # noqa: BLE001 - tracking trouble never stops a call
-            warnings.warn(f"MLflow tracking is off for run {group.run_id}: {e}", RuntimeWarning, stacklevel=1)
-        finally:
-            if group.env_deferred:
-                group.release_env(env)
-            else:
-                group.add_env(env)
-        if tracked is not None and tracked.enabled:
-            tracked.log_params(params)  # a failure is a warning: see TrackedRun
-            started = self._started.get(attempt)
-            if started is not None:  # the ranks run now; their number is known once the GPUs are leased
-                started.wait()
-                tracked.log_params({"gpufleet.world_size": group.num_ranks, "gpufleet.num_nodes": 1})
-            if self._launcher == "local":  # on Ray each node samples itself (launch/ray_actor.py)
-                tracked.start_system_metrics()
+    def tags(self, group: WorkerGroup, attempt: int) -> dict[str, Any]:
+        if self._code_tags is None:  # once per call
+            from ..codeversion import code_version, mlflow_tags
 
-    @staticmethod
-    def _say_where(tracked: TrackedRun) -> None:
-        """One line on stderr: the run's id and where to see it; the UI command or address in full
-        only the first time this process opens a run in that store and experiment."""
-        from .links import run_line
+            self._code_tags = mlflow_tags(code_version(self.code_folder)) if self.code_folder else {}
+        return {"gpufleet.run_id": group.run_id, "gpufleet.run_dir": str(group.run_dir.path),
+                "gpufleet.function": self.function_name, "gpufleet.launcher": self.launcher,
+                "gpufleet.attempt": str(attempt), **self._code_tags}  # fmt: skip
 
-        try:
-            where = (str(tracked.tracking_uri), tracked.experiment_id)
-            if where in _TOLD:
-                line = f"MLflow run {tracked.run_id} (experiment {tracked.experiment_name}, as above)"
-            else:
-                line = run_line(tracked.tracking_uri, str(tracked.run_id), tracked.experiment_id, tracked.experiment_name)
-                _TOLD.add(where)
-            sys.stderr.write(f"gpufleet: {line}\n")
-            sys.stderr.flush()
-        except Exception:  # noqa: BLE001 - a closed stream never stops the call
-            pass
+    def handed_over(self, attempt: int) -> dict[str, Any] | None:
+        return None
 
-    def _opened(self, attempt: int) -> TrackedRun | None:
-        """The attempt's run, once its opening (in a thread while the ranks start) is done."""
-        opening = self._opening.pop(attempt, None)
-        if opening is not None:
-            opening.join()
-        return self._tracked.get(attempt)
+    def system_metrics(self, group: WorkerGroup) -> bool:
+        return self.launcher == "local"  # on Ray each node samples itself (launch/ray_actor.py)
 
-    def after_start(self, group: WorkerGroup, attempt: int) -> None:
-        started = self._started.get(attempt)
-        if started is not None:  # the opening thread logs the size
-            started.set()
-            return
-        tracked = self._opened(attempt)
-        if tracked is None:
-            return
-        if self._launcher == "local":  # a warm group: its GPUs are leased in start() too
+    def opened(self, tracked: TrackedRun, group: WorkerGroup, attempt: int) -> None:
+        _say_where(tracked)
+
+    def started(self, tracked: TrackedRun, group: WorkerGroup, attempt: int) -> None:
+        if self.launcher == "local":  # a warm group: its GPUs are leased in start() too
             tracked.log_params({"gpufleet.world_size": group.num_ranks, "gpufleet.num_nodes": 1})
             return
         tracked.log_params({"gpufleet.world_size": group.num_ranks})
         problem = local_store_warning(tracked.tracking_uri or "", getattr(group, "cluster_hosts", []))
         if problem:
-            warnings.warn(problem, RuntimeWarning, stacklevel=2)
+            self.warn(problem)
 
-    def on_end(self, group: WorkerGroup, attempt: int, state: str, error: BaseException | None) -> None:
-        started = self._started.pop(attempt, None)
-        if started is not None:
-            started.set()  # a group that never started: the opening thread must not wait for it
-        self._opened(attempt)
-        tracked = self._tracked.pop(attempt, None)
-        if tracked is None:
-            return
-        if self._launcher != "local" and group.num_nodes is not None:  # Ray: known once the ranks were placed
+    def ended(self, tracked: TrackedRun, group: WorkerGroup, attempt: int, state: str,
+              error: BaseException | None) -> str:  # fmt: skip
+        if self.launcher != "local" and group.num_nodes is not None:  # Ray: known once the ranks were placed
             tracked.log_params({"gpufleet.num_nodes": group.num_nodes})
         tracked.log_artifacts(sorted(group.run_dir.path.glob("rank-*.log")), "logs")
         if error is not None and state in ("FAILED", "TIMEDOUT"):  # root cause, remote traceback, other ranks
@@ -252,4 +344,25 @@ class TrackingCallback(ControllerCallback):
 
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
             tracked.log_text(mask_env_secrets(text, group.spec.env), "error.txt")  # it may quote a secret
-        tracked.end(state)
+        return state
+
+    def warn(self, text: str) -> None:
+        warnings.warn(text, RuntimeWarning, stacklevel=3)
+
+
+def _say_where(tracked: TrackedRun) -> None:
+    """One line on stderr: the run's id and where to see it; the UI command or address in full only the
+    first time this process opens a run in that store and experiment."""
+    from .links import run_line
+
+    try:
+        where = (str(tracked.tracking_uri), tracked.experiment_id)
+        if where in _TOLD:
+            line = f"MLflow run {tracked.run_id} (experiment {tracked.experiment_name}, as above)"
+        else:
+            line = run_line(tracked.tracking_uri, str(tracked.run_id), tracked.experiment_id, tracked.experiment_name)
+            _TOLD.add(where)
+        sys.stderr.write(f"gpufleet: {line}\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - a closed stream never stops the run
+        pass

@@ -3,25 +3,22 @@
 The records are written by the run model's one recorder (:class:`~gpufleet.runs.recorder.RunRecorder`)
 with :class:`WorkloadKind`; :func:`attempt_end` turns the controller's view of an attempt (its
 end state and error) into what the run store shows: the state, the exit code and a message such
-as ``node 1 exited with code 3; see `gpufleet logs RUN --node 1```. The MLflow run of each
-attempt is :class:`WorkloadTracking`'s. Both are
-:class:`~gpufleet.launch.controller.ControllerCallback` hooks, so the controller that runs the
-attempts stays free of workload concerns.
+as ``node 1 exited with code 3; see `gpufleet logs RUN --node 1```. What each attempt's MLflow
+run holds is :class:`WorkloadTracking`, the workload's profile of the one tracking callback
+(:class:`~gpufleet.tracking.launch.RunTracking`). Both join the controller as hooks, so the
+controller that runs the attempts stays free of workload concerns.
 """
 
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 from ..errors import EXIT, SIGNAL, DistributedHangError, WorkerGroupError
-from ..launch.controller import ControllerCallback
 from ..launch.group import GroupStartCanceled, WorkerGroup
 from ..runs.records import AttemptEnd, RunRecord
-from ..runs.store import RunStore
 from ..states import CANCELED, FAILED, RUNNING, SUCCESS, TIMEDOUT, RunState
 from .nodes import WorkloadNodeGroup, failed_line
 from .schema import WorkloadConfig
@@ -139,90 +136,57 @@ class WorkloadKind:
         return attempt_end(group, state, error, self.timeout_minutes, self.cancel_reason())
 
 
-class WorkloadTracking(ControllerCallback):
-    """One MLflow run per attempt: parameters, the workload as an artifact, node logs, the status.
+class WorkloadTracking:
+    """What a workload attempt's MLflow run holds (a profile of :class:`~gpufleet.tracking.launch.RunTracking`).
 
-    The run's id and tracking variables reach every node's environment (``MLFLOW_RUN_ID``,
-    ...); tracking trouble never changes the run's outcome.
+    Its parameters (``parameters`` of the workload), the workload as the artifact ``workload.yaml``,
+    the tags ``gpufleet.run_id``, ``gpufleet.attempt`` and ``gpufleet.source``, every node's log,
+    and the status the run store shows for the attempt. The first attempt's run is the one
+    ``gpufleet run`` opened (``handed_over``). Problems are lines of the supervisor log.
     """
 
-    def __init__(self, config: WorkloadConfig, store: RunStore, run: RunRecord, log: IO[str],
-                 system_metrics: bool, cancel_reason: Callable[[], str],
-                 handed_over: Callable[[], dict[str, Any] | None] = lambda: None) -> None:  # fmt: skip
+    nests = False
+
+    def __init__(self, config: WorkloadConfig, run: RunRecord, log: IO[str], system_metrics: bool,
+                 ends: dict[int, AttemptEnd], handed_over: Callable[[], dict[str, Any] | None] = lambda: None) -> None:  # fmt: skip
         self.config = config
-        self.store = store
         self.run = run
         self.log = log
-        self.system_metrics = system_metrics
-        self.cancel_reason = cancel_reason
-        self.handed_over = handed_over  # the first attempt's MLflow run, opened by `gpufleet run`
-        self._tracked: dict[int, Any] = {}
-        self._attaching: dict[int, threading.Thread] = {}
+        self.metrics = system_metrics
+        self.ends = ends  # the recorder's: how each attempt ended, as the run store shows it
+        self._handed_over = handed_over
+        self.experiment_name = config.experiment_name
 
-    def before_start(self, group: WorkerGroup, attempt: int) -> None:
-        try:
-            from ..tracking import runs  # noqa: F401 - tracking can be imported
-        except ImportError as e:
-            self.log.write(f"gpufleet: tracking is not available ({e}); this attempt is not tracked\n")
-            return
-        opened = self.handed_over() if attempt == 1 else None
-        if opened:
-            self._attach_while_nodes_start(group, attempt, opened)
-            return
-        tracked = open_attempt_run(self.config, self.run.id, attempt, self.run.config.get(CODE_VERSION_KEY),
-                                   self.system_metrics)  # fmt: skip
-        self._tracked[attempt] = tracked
-        mlflow_run_id = getattr(tracked, "run_id", None)
-        if not mlflow_run_id:
-            return
-        group.mlflow_run_id = mlflow_run_id
-        self.store.update_attempt(self.run.id, attempt, mlflow_run_id=mlflow_run_id)
-        group.add_env(tracked.env())
-        try:
-            tracked.log_config(workload_document(self.run.config), artifact_file="workload.yaml")
-        except Exception as e:  # tracking trouble never stops the run
-            self.log.write(f"gpufleet: could not log the workload config to MLflow: {e}\n")
+    def run_name(self, group: WorkerGroup, attempt: int) -> str:
+        return attempt_run_name(self.config, self.run.id, attempt)
 
-    def _attach_while_nodes_start(self, group: WorkerGroup, attempt: int, opened: dict[str, Any]) -> None:
-        """The run `gpufleet run` opened: its id reaches the nodes at once, and MLflow is imported,
-        the run attached and the workload logged in a thread while the nodes start (MLflow's import
-        and first store access take seconds, and nothing of the nodes' start waits on them).
-        """
-        from ..tracking.runs import attach_tracked_run, tracking_env, yield_cpu_to_training
+    def params(self, group: WorkerGroup, attempt: int) -> dict[str, Any]:
+        return {**self.config.parameters, "gpufleet.attempt": attempt}  # a parameter and a tag, as a call's
 
-        group.mlflow_run_id = opened["run_id"]
-        self.store.update_attempt(self.run.id, attempt, mlflow_run_id=opened["run_id"])
-        group.add_env(tracking_env(opened["run_id"], opened["tracking_uri"], opened.get("experiment_id"),
-                                   opened.get("experiment_name")))  # fmt: skip
+    def tags(self, group: WorkerGroup, attempt: int) -> dict[str, Any]:
+        from ..codeversion import mlflow_tags
 
-        def attach() -> None:
-            yield_cpu_to_training()  # the nodes' ranks start meanwhile and do not wait for this
-            try:
-                tracked = attach_tracked_run(opened["run_id"], opened["tracking_uri"], opened.get("experiment_id"),
-                                             opened.get("experiment_name"), system_metrics=self.system_metrics)  # fmt: skip
-                self._tracked[attempt] = tracked
-                tracked.log_config(workload_document(self.run.config), artifact_file="workload.yaml")
-            except Exception as e:  # tracking trouble never stops the run
-                self.log.write(f"gpufleet: could not log the workload config to MLflow: {e}\n")
+        return {"gpufleet.run_id": self.run.id, "gpufleet.attempt": attempt, "gpufleet.source": "workload",
+                **mlflow_tags(self.run.config.get(CODE_VERSION_KEY))}  # fmt: skip
 
-        thread = threading.Thread(target=attach, name="gpufleet-mlflow-attach", daemon=True)
-        self._attaching[attempt] = thread
-        thread.start()
+    def handed_over(self, attempt: int) -> dict[str, Any] | None:
+        return self._handed_over() if attempt == 1 else None
 
-    def on_end(self, group: WorkerGroup, attempt: int, state: RunState, error: BaseException | None) -> None:
-        attaching = self._attaching.pop(attempt, None)
-        if attaching is not None:
-            attaching.join()  # the run is attached (or tracking is off) before it is ended
-        tracked = self._tracked.pop(attempt, None)
-        if tracked is None:
-            return
-        end = attempt_end(group, state, error, self.config.timeout_minutes, self.cancel_reason())
+    def system_metrics(self, group: WorkerGroup) -> bool:
+        return self.metrics
+
+    def opened(self, tracked: Any, group: WorkerGroup, attempt: int) -> None:
+        tracked.log_config(workload_document(self.run.config), artifact_file="workload.yaml")
+
+    def started(self, tracked: Any, group: WorkerGroup, attempt: int) -> None:
+        pass
+
+    def ended(self, tracked: Any, group: WorkerGroup, attempt: int, state: str, error: BaseException | None) -> str:
         logs: list[Path] = [group.log_path(rank) for rank in range(group.num_ranks)]
-        try:
-            try:
-                tracked.log_artifacts([str(p) for p in logs if p.exists()])
-                tracked.set_status(end.state)
-            except Exception as e:  # tracking trouble never changes the run's outcome
-                self.log.write(f"gpufleet: could not record the attempt in MLflow: {e}\n")
-        finally:
-            tracked.end()
+        tracked.log_artifacts([str(p) for p in logs if p.exists()])
+        end = self.ends.get(attempt)
+        return end.state if end is not None else state
+
+    def warn(self, text: str) -> None:
+        self.log.write(f"gpufleet: {text}\n")
+        self.log.flush()

@@ -251,11 +251,13 @@ class Supervisor:
                                run_id=self.run.id, log=self.log, max_attempts=self.run.max_attempts)  # fmt: skip
         callbacks: list[ControllerCallback] = [recorder]
         if self.run.tracking:
-            callbacks.append(WorkloadTracking(
-                self.config, self.store, self.run, self.log,
+            from ..tracking.launch import RunTracking
+
+            callbacks.append(RunTracking(WorkloadTracking(
+                self.config, self.run, self.log,
                 system_metrics=not needs_cluster(self.config),  # on Ray each node samples itself (launch/ray_actor.py)
-                cancel_reason=lambda: self.cancel_reason, handed_over=self._take_mlflow_run,
-            ))  # fmt: skip
+                ends=recorder.ends, handed_over=self._take_mlflow_run,
+            )))  # fmt: skip
         timeout_min = self.config.timeout_minutes
         controller = Controller(
             lambda attempt: self.make_group(executor, attempt, bin_dir),
