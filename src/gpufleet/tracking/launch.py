@@ -141,11 +141,6 @@ class RunTracking(ControllerCallback):
         self._started: dict[int, threading.Event] = {}
 
     def before_start(self, group: WorkerGroup, attempt: int) -> None:
-        try:
-            from . import runs  # noqa: F401 - tracking can be imported
-        except ImportError as e:
-            self.profile.warn(f"tracking is not available ({e}); this attempt is not tracked")
-            return
         handed = self.profile.handed_over(attempt)
         if handed:
             self._attach(group, attempt, handed)
