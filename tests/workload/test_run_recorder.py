@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -121,6 +122,7 @@ def test_a_stored_cancel_request_cancels_a_call_but_is_left_to_a_workloads_super
     call = RunRecorder(_call_kind(), store)
     c = _controller(tmp_path, endless, call, RetryPolicy.for_call(0))
     c.start()
+    assert f"gpufleet-registry-{c.group.run_id}" in [t.name for t in threading.enumerate()]  # the call's reader
     store.request_cancel(c.group.run_id)
     with pytest.raises(RunCanceledError, match=CANCEL_REASON.replace("`", ".")):
         c.run()
@@ -131,8 +133,8 @@ def test_a_stored_cancel_request_cancels_a_call_but_is_left_to_a_workloads_super
     c = _controller(tmp_path, endless, workload, RetryPolicy.for_workload(1))
     c.start()
     store.request_cancel(run.id)
-    time.sleep(2.5)  # two of the call recorder's looks at its request
-    assert not c.canceled and c.state == RUNNING
+    watching = [t.name for t in threading.enumerate() if t.name == f"gpufleet-registry-{run.id}"]
+    assert watching == [] and not c.canceled and c.state == RUNNING  # nothing of the recorder reads the request
     c.cancel("canceled by the user")
     with pytest.raises(RunCanceledError):
         c.run()

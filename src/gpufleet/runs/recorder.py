@@ -76,6 +76,7 @@ class RunRecorder(ControllerCallback):
         run_id: the stored run whose attempts these are (a workload's); None when each attempt is
             a run of its own.
         log: where a retry is announced (a workload's supervisor log), if anywhere.
+        max_attempts: the run's attempts at most, shown in that announcement.
         end_wait_s: how long the end of an attempt waits for a busy store at least.
 
     Attributes:
