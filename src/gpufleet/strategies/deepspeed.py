@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Any
 
-from ..launch.progress import note_optimizer_step
+from ..launch.progress import note_optimizer_step, section
 from .base import PreparedModel
 from .config import StrategyConfigError, StrategyPlan
 from .precision import torch_dtype
@@ -110,7 +110,10 @@ def prepare_deepspeed(model: Any, optimizer: Any, plan: StrategyPlan, device: An
         kwargs["optimizer"] = optimizer
     else:
         kwargs["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
-    engine, ds_optimizer, _, _ = deepspeed.initialize(**kwargs)
+    # a long phase, never taken for a hang: on a new machine DeepSpeed builds its ops here (its
+    # shared-memory op on CPU, a minute or more), one rank compiling while the others wait for it
+    with section("deepspeed.initialize"):
+        engine, ds_optimizer, _, _ = deepspeed.initialize(**kwargs)
     logger.info(
         "DeepSpeed ready: ZeRO stage %s, precision %s, train_batch_size %s",
         engine.zero_optimization_stage(),
