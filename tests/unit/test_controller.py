@@ -338,6 +338,29 @@ def test_keyboard_interrupt_stops_every_rank_and_is_raised_again(tmp_path, capsy
     assert rec.events[-1] == ("end", 1, "CANCELED", "RunCanceledError")
 
 
+def test_ctrl_c_while_the_ranks_start_ends_the_run_canceled(tmp_path):
+    def starting(tmp_path, clock):
+        return FakeGroup(tmp_path, clock, [], start_error=KeyboardInterrupt())
+
+    rec = Recorder()
+    c, groups, _ = make(tmp_path, [starting], callbacks=[rec])
+    with pytest.raises(KeyboardInterrupt):
+        c.start()
+    assert c.state == CANCELED and isinstance(c.error, RunCanceledError) and groups[0].closed == [False]
+    assert "interrupted before its ranks started" in str(c.error)
+    assert rec.events[-1] == ("end", 1, "CANCELED", "RunCanceledError")
+
+    # the same when the interrupted start is a retry's
+    fail = [[exited(0, 1, t=1.0), exited(1, 1, t=1.0)]]
+    rec = Recorder()
+    c, groups, _ = make(tmp_path, [fail, starting], max_retries=1, callbacks=[rec])
+    with pytest.raises(KeyboardInterrupt):
+        c.run()
+    assert c.state == CANCELED and len(groups) == 2
+    assert [e for e in rec.events if e[0] == "end"] == [("end", 1, "FAILED", "WorkerExitError"),
+                                                        ("end", 2, "CANCELED", "RunCanceledError")]  # fmt: skip
+
+
 def test_a_wrong_setting_raises_at_start_and_ends_the_run_failed(tmp_path):
     def bad(tmp_path, clock):
         return FakeGroup(tmp_path, clock, [], start_error=LaunchConfigError("asked for 4 GPUs but the cluster has 2"))

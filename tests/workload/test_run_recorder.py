@@ -67,6 +67,8 @@ def test_a_call_and_a_workload_whose_first_attempt_fails_both_record_attempts_1_
     assert [(r.config["attempt"], r.state, [a.attempt for a in r.attempts]) for r in runs] == [
         (1, FAILED, [1]), (2, SUCCESS, [2])]  # fmt: skip
     assert runs[1].config["call_id"] == runs[0].id and runs[0].message.startswith("WorkerExitError: ")
+    first = runs[0].attempts[0]  # the attempt row ends with its run, with the run's message
+    assert first.state == FAILED and first.ended_at and first.message == runs[0].message
 
     log = io.StringIO()
     run = _workload_run(store, tmp_path)
@@ -150,3 +152,18 @@ def test_the_watchdogs_note_is_the_running_runs_message_for_both_kinds(store: Ru
         recorder.before_start(group, 1)
         recorder.on_watch(group, 1, "rank 1 is busy in train.py:40 while the others wait")
         assert store.get(recorder._run_of(group)).message == "rank 1 is busy in train.py:40 while the others wait"
+
+
+def test_a_call_interrupted_while_its_ranks_start_is_stored_canceled(store: RunStore, tmp_path: Path) -> None:
+    clock = FakeClock()
+    recorder = RunRecorder(_call_kind(), store)
+
+    def make_group(attempt: int) -> FakeGroup:
+        return FakeGroup(tmp_path, clock, [], start_error=KeyboardInterrupt())
+
+    c = Controller(make_group, timeout_s=None, callbacks=[recorder], clock=clock, poll_s=0.02)
+    with pytest.raises(KeyboardInterrupt):
+        c.start()
+    [run] = store.list(states=None, filters={"kind": "call"})
+    assert (c.state, recorder.ends[1].state, run.state, run.attempts[0].state) == (CANCELED,) * 4
+    assert run.message.startswith("RunCanceledError: the run was interrupted before its ranks started")

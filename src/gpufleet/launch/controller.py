@@ -275,6 +275,14 @@ class Controller:
             )
             self._notify_end(group, CANCELED, error)
             raise error from e
+        except KeyboardInterrupt:  # Ctrl-C while the ranks start: the run is canceled, as after they started
+            group.close(False)
+            error = RunCanceledError(
+                {}, group.num_ranks, str(group.run_dir.path), "the run was interrupted before its ranks started"
+            )
+            self._notify_end(group, CANCELED, error)
+            self._end(CANCELED, None, error)
+            raise
         except BaseException as e:
             group.close(False)
             self._notify_end(group, FAILED, e)

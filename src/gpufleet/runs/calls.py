@@ -32,7 +32,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..states import CANCELED, PENDING, RunState
+from ..states import PENDING, RunState
 from .recorder import RunRecorder
 from .records import AttemptEnd, RunRecord
 
@@ -200,8 +200,6 @@ class CallKind:
         )  # fmt: skip
 
     def end_of(self, group: WorkerGroup, state: RunState, error: BaseException | None) -> AttemptEnd:
-        if isinstance(error, KeyboardInterrupt):
-            return AttemptEnd(CANCELED, None, "interrupted (KeyboardInterrupt) in the calling process")
         return AttemptEnd(state, None, _message(error, group.spec.env))
 
 

@@ -406,7 +406,12 @@ class RunStore:
         self._call(lambda db: db.execute(f"UPDATE runs SET {sets} WHERE id = ?", [*fields.values(), run_id]), write=True)
 
     def finish_run(self, run_id: str, state: str, **fields: Any) -> bool:
-        """Move an active run to a terminal ``state``; False if it already had one."""
+        """Move an active run to a terminal ``state``; False if it already had one.
+
+        An attempt still active ends with the run, in the same transaction: it gets the run's
+        state, end time, exit code and message (where it has none of its own). A call's attempt
+        ends this way; a workload's supervisor ends each attempt before its run.
+        """
         assert RunState(state).terminal
         fields = {"state": state, "ended_at": time.time(), **fields}
         sets = ", ".join(f"{k} = ?" for k in fields)
@@ -418,9 +423,10 @@ class RunStore:
             )
             if cur.rowcount:
                 db.execute(
-                    "UPDATE attempts SET state = ?, ended_at = COALESCE(ended_at, ?) "
+                    "UPDATE attempts SET state = ?, ended_at = COALESCE(ended_at, ?), "
+                    "exit_code = COALESCE(exit_code, ?), message = COALESCE(message, ?) "
                     "WHERE run_id = ? AND state IN (?, ?)",
-                    (state, fields["ended_at"], run_id, *ACTIVE_STATES),
+                    (state, fields["ended_at"], fields.get("exit_code"), fields.get("message"), run_id, *ACTIVE_STATES),
                 )
             return cur.rowcount > 0
 
