@@ -54,7 +54,6 @@ class ChildProcess:
         self._sampler: Any = None  # this node's system metrics, when this actor samples them
         self._sampling_lock = threading.Lock()
         self._sampling_stopped = False
-        self._sampler_start: threading.Thread | None = None
 
     def _sample_node(self, env: dict[str, str], node_id: str) -> None:
         """Log this node's GPU/CPU/RAM into the tracked run while the child runs.
@@ -63,9 +62,8 @@ class ChildProcess:
         machine), and the rank's start must not wait for it (the call stays PENDING meanwhile).
         """
         if env.get("MLFLOW_RUN_ID"):
-            self._sampler_start = threading.Thread(target=self._start_sampler, args=(env, node_id),
-                                                   name="gpufleet-node-sampler", daemon=True)  # fmt: skip
-            self._sampler_start.start()
+            threading.Thread(target=self._start_sampler, args=(env, node_id), name="gpufleet-node-sampler",
+                             daemon=True).start()  # fmt: skip
 
     def _start_sampler(self, env: dict[str, str], node_id: str) -> None:
         try:
@@ -76,15 +74,12 @@ class ChildProcess:
         with self._sampling_lock:
             if not self._sampling_stopped:
                 self._sampler, sampler = sampler, None
-        if sampler is not None:  # the child ended while the sampler started
+        if sampler is not None:  # the child ended while the sampler started: one sample, then stop
             sampler.stop()
 
-    def _stop_sampling(self, wait_for_start_s: float = 0.0) -> None:
-        """Stop the node's sampler; after a child that ended by itself, first let a sampler still
-        starting take its samples (``wait_for_start_s``): a short run keeps its node's metrics."""
-        starting = self._sampler_start
-        if wait_for_start_s > 0 and starting is not None:
-            starting.join(wait_for_start_s)
+    def _stop_sampling(self) -> None:
+        """Stop the node's sampler (it logs a last sample). Never waits for one still starting: that
+        one stops itself, with its one sample, once started (tracking never holds up a run's end)."""
         with self._sampling_lock:
             self._sampling_stopped = True
             sampler, self._sampler = self._sampler, None
@@ -143,7 +138,7 @@ class ChildProcess:
         if code is not None:
             for t in self._pumps:  # the last lines before the exit
                 t.join(2.0)
-            self._stop_sampling(wait_for_start_s=30.0)
+            self._stop_sampling()
         outcome = self._outcome()
         with self._cond:
             lines, self._lines = self._lines, []
