@@ -90,3 +90,4 @@ if selected axolotl-qlora-ddp; then  # loaded in 4-bit (NF4) by bitsandbytes: ab
   done_with olmo2-7b
 fi
 echo "== done; logs in $out"
+smoke_exit

@@ -75,3 +75,4 @@ elif has "$axolotl_py" "axolotl, bitsandbytes"; then  # a 1.1B OLMo-2 in 4-bit (
   py="$axolotl_py" nb axolotl-qlora-ddp MODEL="$out/olmo2-1b" DATA="$out/chat.jsonl" MAX_STEPS=30 MICRO_BATCH_SIZE=8 SEQUENCE_LEN=1024
 else echo "== axolotl-qlora-ddp skipped: $axolotl_py lacks axolotl or bitsandbytes (recipes/envs/axolotl.txt; AXOLOTL_PYTHON=...)"; fi
 echo "== done; logs and executed notebooks in $out"
+smoke_exit
