@@ -17,7 +17,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m gpufleet.detached_run JOB_DIR``: run the call of a job folder to its end."""
     import cloudpickle
 
-    from .errors import RunCanceledError
     from .runs.calls import adopt_origin
     from .states import CANCELED, FAILED, SUCCESS
 
@@ -44,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         values = controller.run()
         outcome: dict[str, Any] = {"state": SUCCESS, "values": values, "error": None}
     except BaseException as e:  # noqa: BLE001 - every end is written for the handle
-        state = CANCELED if isinstance(e, (RunCanceledError, KeyboardInterrupt)) else FAILED
         if controller is not None and controller.finished.is_set():
-            state = controller.state
+            state = controller.state  # the run's end, as its controller decided it
+        else:  # the call could not be set up (its payload, a setting): nothing ran
+            state = CANCELED if isinstance(e, KeyboardInterrupt) else FAILED
         outcome = {"state": state, "values": None, "error": e}
     _write_result(job_dir, outcome)
     print(f"gpufleet: detached call finished: {outcome['state']}", flush=True)
