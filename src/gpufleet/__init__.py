@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 
 # Public names loaded on first use, so that ``import gpufleet`` stays light.
 _LAZY = {
-    "ray_launch": "gpufleet.launch.ray_cluster",
+    "ray_launch": "gpufleet.ray_launch",
     "prepare": "gpufleet.strategies",
     "plan": "gpufleet.strategies",
     "advise": "gpufleet.strategies",

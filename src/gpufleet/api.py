@@ -280,8 +280,8 @@ class DistributedFunction:
                 spec = LaunchSpec(new_run_id(name), 0, attempt=attempt, env=attempt_env, payload=payload)
                 return RayWorkerGroup(spec, RunDir.create(opts.runs_dir, spec.run_id), ray_placement, logs)
         else:
-            from .launch.gpu_requests import call_gpu_request
             from .launch.gpus import resolve_local
+            from .launch.leasing.gpu_requests import call_gpu_request
             from .launch.local import LocalPlacement, LocalWorkerGroup
 
             found = resolve_local(opts.gpus, opts.gpu_type)
@@ -410,7 +410,7 @@ def distributed(
 
     Args:
         gpus: number of worker processes, one per GPU, taken from the GPUs free on this machine
-            (leased: :mod:`gpufleet.launch.leases`); a list of GPU indices names them; ``None`` =
+            (leased: :mod:`gpufleet.launch.leasing.leases`); a list of GPU indices names them; ``None`` =
             every free GPU. Too few free: the call waits up to ``gpu_wait`` seconds (option;
             default 300 in a notebook, else the timeout), then raises ``GPUUnavailableError``.
         gpu_type: GPU model that must be present (``"H100"``, ``"a100"``, ...), or ``"cpu"``

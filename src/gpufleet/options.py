@@ -39,7 +39,7 @@ class LaunchOptions:
     hang_timeout: float | None = 600.0
     faults: tuple[Any, ...] = ()
     keep_warm: float | bool | None = None
-    #: Seconds to wait for free GPUs (see :mod:`gpufleet.launch.leases`); None: 300 in a notebook, else the timeout.
+    #: Seconds to wait for free GPUs (see :mod:`gpufleet.launch.leasing.leases`); None: 300 in a notebook, else the timeout.
     gpu_wait: float | None = None
     #: Variables of every rank read at each launch: ``{"NAME": {"env": "VAR"} | {"file": "PATH"}}`` (:mod:`gpufleet.secrets`).
     secrets: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -52,7 +52,7 @@ class LaunchOptions:
 
     def check(self) -> None:
         """Reject wrong settings with a message that says what is allowed."""
-        from .launch.gpu_requests import check_gpu_settings
+        from .launch.leasing.gpu_requests import check_gpu_settings
 
         check_gpu_settings(self.gpus, self.gpu_wait, self.remote)
         if self.gpu_type is not None and (not isinstance(self.gpu_type, str) or not self.gpu_type.strip()):

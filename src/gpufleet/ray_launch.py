@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import LaunchConfigError
+from .errors import LaunchConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class RayDriverEntry:
         functools.update_wrapper(self, func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from .. import runtime
+        from . import runtime
 
         if runtime.get_global_rank() != 0:
             return None  # rank 0's head owns this node's GPUs; nothing to do here
@@ -115,7 +115,7 @@ class RayDriverEntry:
         return self._drive(args, kwargs)
 
     def _head_command(self, port: int) -> list[str]:
-        from .. import runtime
+        from . import runtime
 
         world = runtime.get_world_size()
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
@@ -135,7 +135,7 @@ class RayDriverEntry:
         return cmd + self._ray_start_args
 
     def _drive(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        from .. import runtime
+        from . import runtime
 
         port = runtime.get_master_port()
         host = runtime.get_master_addr()
@@ -202,7 +202,7 @@ def ray_launch(
         **options: the other ``@distributed`` options; ``ray_init_kwargs`` go to the
             driver's ``ray.init``.
     """
-    from ..api import distributed
+    from .api import distributed
 
     if isinstance(ray_start_args, str):
         raise LaunchConfigError("ray_start_args must be a list of 'ray start' flags, not one string")

@@ -136,7 +136,7 @@ def cmd_stacks(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
         rid, found = on_slurm
-    from .launch.watchdog import read_note
+    from .launch.hangwatch.watchdog import read_note
 
     note = next((n for n in (read_note(p["run_dir"]) for p in found if p.get("run_dir")) if n), None)
     if args.output == "json":

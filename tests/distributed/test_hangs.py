@@ -166,7 +166,7 @@ def test_a_steady_state_hang_is_called_after_the_learned_limit_with_its_line(sma
 def test_long_phases_and_a_busy_rank_are_never_called_hangs(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("GPUFLEET_HANG_FLOOR_S", "3")  # each phase (5 s) is longer than the learned limit
     monkeypatch.setenv("GPUFLEET_HANG_FACTOR", "2")
-    with caplog.at_level("WARNING", logger="gpufleet.launch.watchdog"):
+    with caplog.at_level("WARNING", logger="gpufleet.launch.hangwatch.watchdog"):
         out = distributed(_long_phases_and_a_busy_rank, hang_timeout=300, timeout=280, **CPU).distributed(
             str(tmp_path / "ckpt"))
     assert out == ["done", "done"]

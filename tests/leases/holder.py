@@ -14,7 +14,7 @@ import sys
 import time
 
 from gpufleet.errors import GPUUnavailableError
-from gpufleet.launch import leases
+from gpufleet.launch.leasing import leases
 
 
 def main() -> int:

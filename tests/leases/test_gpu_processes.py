@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from gpufleet.launch.gpu_processes import foreign_processes
 from gpufleet.launch.gpus import list_gpus
+from gpufleet.launch.leasing.gpu_processes import foreign_processes
 
 
 def test_ranks_of_gpufleet_runs_are_not_foreign(monkeypatch):
@@ -41,7 +41,7 @@ def test_an_idle_cuda_context_outside_gpufleet_is_shown_and_not_waited_for(monke
     from gpufleet import distributed
     from gpufleet.cli import main as cli
     from gpufleet.errors import GPUUnavailableError
-    from gpufleet.launch.leases import gpu_uses
+    from gpufleet.launch.leasing.leases import gpu_uses
 
     monkeypatch.setenv("GPUFLEET_FAKE_GPUS", "1")
     monkeypatch.setenv("GPUFLEET_LEASE_DIR", str(tmp_path / "leases"))

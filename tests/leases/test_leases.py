@@ -15,7 +15,7 @@ import pytest
 
 from gpufleet.errors import GPUUnavailableError
 from gpufleet.launch.gpus import list_gpus
-from gpufleet.launch.leases import GpuRequest, Holder, acquire, gpu_uses, wanted
+from gpufleet.launch.leasing.leases import GpuRequest, Holder, acquire, gpu_uses, wanted
 
 REPO = Path(__file__).resolve().parents[2]
 

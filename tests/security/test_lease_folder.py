@@ -14,9 +14,16 @@ from pathlib import Path
 import pytest
 
 from gpufleet.errors import GPUUnavailableError
-from gpufleet.launch import leases
 from gpufleet.launch.gpus import GPUInfo
-from gpufleet.launch.leases import GpuRequest, Holder, LeaseDirError, acquire, lease_dir, try_lease
+from gpufleet.launch.leasing import leases
+from gpufleet.launch.leasing.leases import (
+    GpuRequest,
+    Holder,
+    LeaseDirError,
+    acquire,
+    lease_dir,
+    try_lease,
+)
 from tests.workload.helpers import REPO, cli
 
 GPUS = [GPUInfo(0, "Fake GPU", "GPU-fake-0000", 1 << 30), GPUInfo(1, "Fake GPU", "GPU-fake-0001", 1 << 30)]

@@ -403,7 +403,7 @@ def _visible_gpus() -> str | None:
 def test_a_call_on_every_free_gpu_logs_the_number_it_was_leased(
     client: MlflowClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gpufleet.launch.leases import GpuRequest, Holder, acquire
+    from gpufleet.launch.leasing.leases import GpuRequest, Holder, acquire
 
     monkeypatch.setenv("GPUFLEET_FAKE_GPUS", "2")  # the lease code of real GPUs, on two fake ones
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from gpufleet.errors import LaunchConfigError
-from gpufleet.launch.activity import Sample
-from gpufleet.launch.watchdog import HangSettings, Watchdog
+from gpufleet.launch.hangwatch.activity import Sample
+from gpufleet.launch.hangwatch.watchdog import HangSettings, Watchdog
 
 WAITING = '''Current thread 0x1 (most recent call first):
   File "/x/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
@@ -130,7 +130,7 @@ def test_a_pause_below_the_learned_limit_is_no_hang():
 def test_a_busy_rank_is_no_fast_hang_but_named_once_and_judged_at_hang_timeout(caplog):
     run = Run(HangSettings(long_s=30, floor_s=3, factor=2, window_s=2, recheck_s=1), busy={1})
     run.steps(6)
-    with caplog.at_level(logging.WARNING, logger="gpufleet.launch.watchdog"):
+    with caplog.at_level(logging.WARNING, logger="gpufleet.launch.hangwatch.watchdog"):
         took, verdict = run.wait_for_verdict(60)
     assert verdict is not None and not verdict.fast and 30.0 <= took <= 31.0
     warnings = [r.getMessage() for r in caplog.records]
@@ -146,7 +146,7 @@ def test_every_rank_busy_is_not_told_as_others_waiting(caplog):
 
     run = Run(SETTINGS)
     found = SimpleNamespace(busy={0: "/home/me/train.py:9 in train"}, summary=[])
-    with caplog.at_level(logging.WARNING, logger="gpufleet.launch.watchdog"):
+    with caplog.at_level(logging.WARNING, logger="gpufleet.launch.hangwatch.watchdog"):
         run.dog._tell(SimpleNamespace(run_id="run-1"), found, 25.0, 600.0, num_ranks=1)
     assert run.dog.note.startswith("nothing moved for 25 s: busy in its own code: rank 0 at /home/me/train.py:9")
     assert "while the others wait" not in caplog.records[0].getMessage()
@@ -246,7 +246,7 @@ def test_a_section_is_in_the_ranks_progress_record_while_it_lasts(tmp_path, monk
 
 
 def test_the_watchdogs_note_is_kept_in_the_run_folder(tmp_path):
-    from gpufleet.launch.watchdog import read_note, write_note
+    from gpufleet.launch.hangwatch.watchdog import read_note, write_note
 
     assert read_note(tmp_path) is None
     write_note(tmp_path, "busy in its own code while the others wait: rank 1 at train.py:3")
@@ -258,7 +258,7 @@ def test_the_watchdogs_note_is_kept_in_the_run_folder(tmp_path):
 
 
 def test_what_a_rank_did_between_two_looks():
-    from gpufleet.launch.activity import judge
+    from gpufleet.launch.hangwatch.activity import judge
 
     def look(t: float, cpu: float | None, **kw: Any) -> Sample:
         return Sample(t, cpu, **kw)
@@ -279,7 +279,7 @@ def test_gpufleet_stacks_shows_the_watchdogs_note_above_the_stacks(tmp_path, mon
     import argparse
 
     from gpufleet import stacks
-    from gpufleet.launch.watchdog import write_note
+    from gpufleet.launch.hangwatch.watchdog import write_note
 
     write_note(tmp_path, "nothing moved for 31 s: busy in its own code while the others wait: rank 1 at train.py:57")
     found = [{"rank": r, "node_rank": None, "pid": 10 + r, "command": "python", "stack": f"stack of {r}",

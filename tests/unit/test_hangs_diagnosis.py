@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpufleet.launch.hangs import diagnose, user_frame
+from gpufleet.launch.hangwatch.diagnosis import diagnose, user_frame
 
 STACK = '''Thread 0x00007f1 (most recent call first):
   File "/x/site-packages/gpufleet/launch/progress.py", line 150 in loop

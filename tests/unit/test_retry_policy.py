@@ -8,9 +8,9 @@ import time
 import pytest
 
 from gpufleet.errors import DistributedHangError, RunCanceledError, WorkerExitError
-from gpufleet.launch.hangs import Diagnosis
+from gpufleet.launch.hangwatch.diagnosis import Diagnosis
+from gpufleet.launch.hangwatch.watchdog import Verdict
 from gpufleet.launch.policy import Action, AttemptEnded, Decision, RetryPolicy
-from gpufleet.launch.watchdog import Verdict
 from gpufleet.states import CANCELED, FAILED, SUCCESS, TIMEDOUT
 from tests.unit.test_controller import FakeGroup, exited, make, ok
 

@@ -200,7 +200,7 @@ def test_a_killed_caller_frees_its_gpus_and_its_call_is_marked_failed(tmp_path: 
 
 
 def test_warm_ranks_keep_their_gpus_while_idle_and_give_them_back(store: RunStore) -> None:
-    from gpufleet.launch.leases import gpu_uses
+    from gpufleet.launch.leasing.leases import gpu_uses
 
     warm = visible.with_overrides(keep_warm=True)
     try:
@@ -268,7 +268,7 @@ def test_idle_warm_ranks_are_named_and_give_their_gpus_to_a_waiting_run_or_to_ca
 ) -> None:
     # seen: idle warm ranks held GPUs under a finished run's id that `gpufleet cancel` could not free,
     # and keep_warm (600 s) outlasted another notebook's gpu_wait (300 s)
-    from gpufleet.launch.leases import gpu_uses
+    from gpufleet.launch.leasing.leases import gpu_uses
 
     def wait_free() -> None:
         deadline = time.monotonic() + 30

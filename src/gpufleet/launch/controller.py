@@ -35,8 +35,8 @@ from ..errors import (
 from ..states import CANCELED, FAILED, PENDING, RUNNING, SUCCESS, TIMEDOUT, RunState
 from .failures import failed_error, load_values
 from .group import GroupStartCanceled, GroupStatus, WorkerGroup
+from .hangwatch.watchdog import HangSettings, Verdict, Watchdog, write_note
 from .policy import Action, AttemptEnded, Decision, RetryPolicy
-from .watchdog import HangSettings, Verdict, Watchdog, write_note
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class Controller:
         hang_timeout_s: the hang watchdog's long limit: stop the attempt with a diagnosis once no
             rank made progress (collectives, steps) for this long; None: off. It arms once a rank
             has reported progress (a process group, or a step). In the steady state a clear hang
-            is called sooner, after a limit learned from the run (:mod:`gpufleet.launch.watchdog`).
+            is called sooner, after a limit learned from the run (:mod:`gpufleet.launch.hangwatch.watchdog`).
         poll_s: how long one poll may wait for news.
         settle_s: how long the other ranks may report after a first failure.
         clock: a monotonic clock (tests pass a fake one).

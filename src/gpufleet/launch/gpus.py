@@ -148,7 +148,7 @@ def resolve_local(gpus: int | tuple[int, ...] | None, gpu_type: str | None) -> P
 
     ``gpus`` is a count, None (every GPU) or a tuple of GPU indices (named GPUs, checked to be
     visible). Which GPUs a run gets is decided when it starts, by its lease
-    (:mod:`gpufleet.launch.leases`).
+    (:mod:`gpufleet.launch.leasing.leases`).
     """
     named = gpus if isinstance(gpus, tuple) else None
     if named is not None and named and all(isinstance(i, int) and not isinstance(i, bool) for i in named):

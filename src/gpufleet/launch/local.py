@@ -16,9 +16,9 @@ from typing import IO, Any
 from ..errors import RankFailure
 from ..results import ERROR, OK, RunDir, read_outcome
 from . import failures
-from .gpu_requests import lease_for_group, release_group_lease
 from .group import GroupStatus, WorkerGroup
-from .leases import GpuLease, GpuRequest
+from .leasing.gpu_requests import lease_for_group, release_group_lease
+from .leasing.leases import GpuLease, GpuRequest
 from .logstream import LogConfig, RankLog, failure_text
 from .ports import find_free_port
 from .proctree import popen_in_own_group, run_processes, stop_tree
@@ -40,7 +40,7 @@ class LocalPlacement:
     use_gpus: bool
     gpu_indices: tuple[int, ...] = ()
     master_addr: str = "127.0.0.1"
-    #: Lease the GPUs at start (:mod:`gpufleet.launch.leases`); ``gpu_indices`` become the leased ones.
+    #: Lease the GPUs at start (:mod:`gpufleet.launch.leasing.leases`); ``gpu_indices`` become the leased ones.
     gpu_request: GpuRequest | None = None
 
 

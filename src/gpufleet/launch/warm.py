@@ -44,10 +44,10 @@ from typing import IO, Any
 
 from ..results import RunDir
 from . import failures
-from .gpu_requests import lease_for_group, release_group_lease
 from .group import GroupStatus
 from .kernel import interactive
-from .leases import Holder
+from .leasing.gpu_requests import lease_for_group, release_group_lease
+from .leasing.leases import Holder
 from .local import LocalPlacement, LocalWorkerGroup
 from .logstream import LogConfig, RankLog
 from .ports import find_free_port
@@ -153,7 +153,7 @@ class WarmRanks:
     busy: bool = True
     idle_since: float = field(default_factory=time.monotonic)
     calls: int = 0
-    #: The GPU lease of these ranks (:mod:`gpufleet.launch.leases`), held while they live, idle or not.
+    #: The GPU lease of these ranks (:mod:`gpufleet.launch.leasing.leases`), held while they live, idle or not.
     lease: Any = None
     #: A descriptor of ``control_dir/owner.lock``, ``flock``ed while this process lives (see :func:`sweep_control_dirs`).
     owner_fd: int = -1

@@ -96,7 +96,7 @@ def notebook_path() -> str | None:
 def call_origin() -> dict[str, Any]:
     """Where calls of this process come from: ``kind`` (notebook / script / interactive), ``path``, host, user, pid."""
     from ..launch.kernel import interactive
-    from ..launch.leases import user_name
+    from ..launch.leasing.leases import user_name
 
     with _lock:
         if _origin.get("pid") == os.getpid():

@@ -328,7 +328,7 @@ def _give_back_idle_gpus(run: Any) -> bool | None:
     if not run.is_call:
         return None
     from ..errors import GpufleetError
-    from ..launch.leases import give_back_idle
+    from ..launch.leasing.leases import give_back_idle
 
     try:
         return give_back_idle(run.id)

@@ -1,6 +1,6 @@
 """``gpufleet ps`` (what runs on this machine now, with its GPUs), ``list``'s filters, a call's details.
 
-``ps`` reads the GPU leases of the machine (every user's: :mod:`gpufleet.launch.leases`),
+``ps`` reads the GPU leases of the machine (every user's: :mod:`gpufleet.launch.leasing.leases`),
 NVML's processes outside gpufleet, and the active runs of this user's run store (calls and
 workloads). The GPUs a run holds are those whose lease names it.
 """
@@ -132,7 +132,7 @@ def _use_dict(use: Any) -> dict[str, Any]:
 def cmd_ps(args: argparse.Namespace) -> int:
     """``gpufleet ps``: every GPU of this machine and its holder, then this store's active runs here."""
     from ..errors import GpufleetError
-    from ..launch.leases import gpu_uses
+    from ..launch.leasing.leases import gpu_uses
     from ..states import ACTIVE_STATES
     from .formats import fmt_duration, fmt_time
     from .liveness import list_runs

@@ -1,7 +1,7 @@
 """GPU leases of single-node workloads: the supervisor leases the node's GPUs before each attempt.
 
 A GPU workload run on this machine waits for ``compute.num_accelerators`` free GPUs like a call
-does (:mod:`gpufleet.launch.leases`): up to its ``timeout_minutes``, without a limit when it has
+does (:mod:`gpufleet.launch.leasing.leases`): up to its ``timeout_minutes``, without a limit when it has
 none, and ``gpufleet cancel`` ends the wait. Its command sees only the leased GPUs
 (``CUDA_VISIBLE_DEVICES``); the supervisor holds the lease until the attempt's processes are
 stopped, and the node command's processes inherit it, so a supervisor that dies leaves the GPUs
@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from ..launch.group import GroupStartCanceled
-from ..launch.leases import GpuLease, GpuRequest, Holder, acquire
+from ..launch.leasing.leases import GpuLease, GpuRequest, Holder, acquire
 from ..launch.proctree import RUN_ID_ENV
 from .nodes import LocalExecutor, LocalNodeProcess, NodeExecutor, NodeProcess, NodeSpec
 from .schema import WorkloadConfig

@@ -1,4 +1,4 @@
-"""The GPU lease folder, its lock files and the holder records in them (:mod:`gpufleet.launch.leases` leases through these).
+"""The GPU lease folder, its lock files and the holder records in them (:mod:`gpufleet.launch.leasing.leases` leases through these).
 
 The folder: ``$GPUFLEET_LEASE_DIR``, else ``<tmp>/gpufleet-gpu-leases``, created ``1777`` like
 ``/tmp`` itself, so every user creates lock files there and none can delete another's. Its owner
@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import LaunchConfigError
-from ..printable import printable
-from .gpus import FAKE_GPUS_ENV, GPUInfo
+from ...errors import LaunchConfigError
+from ...printable import printable
+from ..gpus import FAKE_GPUS_ENV, GPUInfo
 
 LEASE_DIR_ENV = "GPUFLEET_LEASE_DIR"
 _MAX_INFO = 4096
@@ -118,8 +118,8 @@ _warned_private = False
 def _private_lease_dir(shared: Path, owner: int) -> Path:
     """The user's own lease folder, used when the machine-wide one belongs to another user."""
     global _warned_private
-    from ..private import private_dir
-    from ..results import gpufleet_home
+    from ...private import private_dir
+    from ...results import gpufleet_home
 
     path = private_dir(private_dir(gpufleet_home()) / "gpu-leases", "the private GPU lease folder")
     if not _warned_private:
@@ -147,15 +147,15 @@ def lease_dir() -> Path:
     value = os.environ.get(LEASE_DIR_ENV)
     if value:
         path = Path(value)
-        from ..private import UnsafeStateError, check_parents
+        from ...private import UnsafeStateError, check_parents
 
         try:
             check_parents(path, "the GPU lease folder")
         except UnsafeStateError as e:
             raise LeaseDirError(f"{e} ({LEASE_DIR_ENV})") from e
     elif os.environ.get(FAKE_GPUS_ENV):
-        from ..private import private_dir
-        from ..results import gpufleet_home
+        from ...private import private_dir
+        from ...results import gpufleet_home
 
         path = private_dir(gpufleet_home()) / "gpu-leases-fake"
     else:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .proctree import RUN_ID_ENV
+from ..proctree import RUN_ID_ENV
 
 #: A rank using less than this share of one core over the window looks idle (an idle Python
 #: process, its progress reporter included, uses well under 1 %).

@@ -2,7 +2,7 @@
 
 Built from each rank's last progress record (the process group's collective count, its backend
 and, where torch's flight recorder keeps them, the last collectives), each rank's stack dump and
-what each rank did meanwhile (busy, idle, stopped: :mod:`gpufleet.launch.activity`).
+what each rank did meanwhile (busy, idle, stopped: :mod:`gpufleet.launch.hangwatch.activity`).
 
 A rank's collective count goes up as it *enters* a collective. A rank whose count is behind the
 others' is missing from the collective they wait in (that one cannot have completed). Ranks at

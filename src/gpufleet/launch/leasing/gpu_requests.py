@@ -1,7 +1,7 @@
-"""What a local call asks of the GPU leases (:mod:`gpufleet.launch.leases`), and a local worker group's lease.
+"""What a local call asks of the GPU leases (:mod:`gpufleet.launch.leasing.leases`), and a local worker group's lease.
 
 ``gpus`` (a count, a list of GPU indices, or None for every free GPU) and ``gpu_wait`` become a
-:class:`~gpufleet.launch.leases.GpuRequest`; :func:`lease_for_group` takes it when a
+:class:`~gpufleet.launch.leasing.leases.GpuRequest`; :func:`lease_for_group` takes it when a
 :class:`~gpufleet.launch.local.LocalWorkerGroup` starts, and :func:`release_group_lease` gives
 it back once its ranks have exited.
 """
@@ -12,9 +12,9 @@ import dataclasses
 import sys
 from typing import Any
 
-from ..errors import LaunchConfigError
+from ...errors import LaunchConfigError
+from ..kernel import interactive
 from .gpu_processes import wait_off_gpus
-from .kernel import interactive
 from .leases import GpuRequest, Holder, acquire
 
 
@@ -30,7 +30,7 @@ def lease_for_group(group: Any, kind: str = "call") -> None:
     request = getattr(placement, "gpu_request", None)
     if not placement.use_gpus or request is None or group.lease is not None:
         return
-    from .group import GroupStartCanceled
+    from ..group import GroupStartCanceled
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)

@@ -23,8 +23,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import LaunchConfigError
-from .gpus import FAKE_GPUS_ENV, GPUInfo
+from ...errors import LaunchConfigError
+from ..gpus import FAKE_GPUS_ENV, GPUInfo
 
 IGNORE_FOREIGN_ENV = "GPUFLEET_IGNORE_FOREIGN_GPU_PROCESSES"
 #: Test override of NVML's process list on fake GPUs: ``"0=1234,1=5678:512:0"`` (GPU index = pid[:MiB:util %]).

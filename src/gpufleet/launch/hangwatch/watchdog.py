@@ -26,9 +26,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import LaunchConfigError
+from ...errors import LaunchConfigError
 from . import activity
-from .hangs import Diagnosis, diagnose
+from .diagnosis import Diagnosis, diagnose
 
 logger = logging.getLogger(__name__)
 

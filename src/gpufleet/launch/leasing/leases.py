@@ -17,11 +17,11 @@ wanted GPU's ``gpu-<uuid>.want`` file, which is how idle warm ranks (:mod:`gpufl
 and :func:`wanted` know that someone waits for their GPUs.
 There is no queue: the first run to find enough free GPUs gets them. GPUs on which NVML shows
 compute processes outside gpufleet that use them (memory or utilisation above the thresholds of
-:mod:`gpufleet.launch.gpu_processes`) are busy "outside gpufleet" and are not taken
+:mod:`gpufleet.launch.leasing.gpu_processes`) are busy "outside gpufleet" and are not taken
 (``GPUFLEET_IGNORE_FOREIGN_GPU_PROCESSES=1`` takes them anyway); an idle CUDA context beside a
 free GPU is shown, not waited for.
 
-The folder, its lock files and the holder records in them are :mod:`gpufleet.launch.lease_files`
+The folder, its lock files and the holder records in them are :mod:`gpufleet.launch.leasing.lease_files`
 (who may write there, what a planted or forged file does). The processes that use the GPUs inherit
 the lock (``GpuLease.fds``), so it outlives a caller killed with SIGKILL until its ranks are gone.
 
@@ -43,10 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import GPUUnavailableError
-from ..printable import printable
+from ...errors import GPUUnavailableError
+from ...printable import printable
+from ..gpus import GPUInfo, list_gpus
 from .gpu_processes import ForeignProcess, foreign_processes
-from .gpus import GPUInfo, list_gpus
 from .lease_files import (
     LEASE_DIR_ENV,
     Holder,
