@@ -42,7 +42,7 @@ _LAZY = {
     "FileDataset": "gpufleet.data",
     "TimedDataLoader": "gpufleet.data",
     "start_tracked_run": "gpufleet.tracking",
-    "shutdown_workers": "gpufleet.launch.warm",
+    "shutdown_workers": "gpufleet.launch.engines.local.warm",
 }
 
 __all__ = [

@@ -261,7 +261,7 @@ class DistributedFunction:
         make_group: Callable[[int], WorkerGroup]
         launcher = "slurm" if remote == "slurm" else "ray" if remote else "local"
         if remote == "slurm":
-            from .launch.slurm_group import SlurmWorkerGroup, slurm_placement
+            from .launch.engines.slurm.group import SlurmWorkerGroup, slurm_placement
 
             slurm = slurm_placement(opts.gpus, opts.gpu_type, opts.slurm)
 
@@ -271,7 +271,7 @@ class DistributedFunction:
                                   attempt=attempt, env=attempt_env, payload=payload)  # fmt: skip
                 return SlurmWorkerGroup(spec, RunDir.create(opts.runs_dir, spec.run_id), slurm, logs)
         elif remote:
-            from .launch.ray_group import RayPlacement, RayWorkerGroup
+            from .launch.engines.ray.group import RayPlacement, RayWorkerGroup
 
             ray_placement = RayPlacement(str(remote), opts.gpus, opts.gpu_type, dict(opts.ray_init_kwargs))
 
@@ -280,9 +280,9 @@ class DistributedFunction:
                 spec = LaunchSpec(new_run_id(name), 0, attempt=attempt, env=attempt_env, payload=payload)
                 return RayWorkerGroup(spec, RunDir.create(opts.runs_dir, spec.run_id), ray_placement, logs)
         else:
+            from .launch.engines.local.group import LocalPlacement, LocalWorkerGroup
             from .launch.gpus import resolve_local
             from .launch.leasing.gpu_requests import call_gpu_request
-            from .launch.local import LocalPlacement, LocalWorkerGroup
 
             found = resolve_local(opts.gpus, opts.gpu_type)
             from .faults import check_fit
@@ -291,7 +291,7 @@ class DistributedFunction:
             lease = call_gpu_request(opts.gpus, opts.gpu_wait, opts.timeout, found.use_gpus)  # GPUs taken at start
             placement = LocalPlacement(found.use_gpus, tuple(found.gpu_indices), gpu_request=lease)
 
-            from .launch.warm import WarmWorkerGroup, resolve_keep_warm
+            from .launch.engines.local.warm import WarmWorkerGroup, resolve_keep_warm
 
             keep_warm = resolve_keep_warm(opts.keep_warm)
             warm_key = self._warm_key(found.num_workers, placement)
@@ -347,7 +347,7 @@ class DistributedFunction:
 
     def shutdown(self) -> int:
         """Stop the idle warm ranks this function used, now (see ``keep_warm``); returns how many sets."""
-        from .launch.warm import POOL
+        from .launch.engines.local.warm import POOL
 
         return POOL.shutdown(set(self._warm_keys))
 

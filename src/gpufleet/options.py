@@ -129,7 +129,7 @@ class LaunchOptions:
         if self.slurm and self.remote != "slurm":
             raise LaunchConfigError("slurm=... settings are for remote='slurm'; set remote='slurm' or drop them")
         if self.remote == "slurm":
-            from .launch.slurm_job import slurm_options
+            from .launch.engines.slurm.job import slurm_options
 
             slurm_options(self.slurm, also=("nodes",))
 

@@ -6,7 +6,7 @@ process of a run carries the run's id in its environment (``GPUFLEET_RUN_ID``): 
 children). Only this user's processes that carry exactly that id are read. Their stacks are read with py-spy, from outside and without stopping them; without
 py-spy, ranks that gpufleet launched dump their own through faulthandler (SIGUSR2). Ranks on other
 machines of a Ray cluster are not reached from here; those of a run on Slurm are read on its job's
-nodes (:mod:`gpufleet.launch.slurm_stacks`) when none runs here.
+nodes (:mod:`gpufleet.launch.engines.slurm.stacks`) when none runs here.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     try:
         rid, found = collect(args.run_id, getattr(args, "home", None))
     except LookupError as e:
-        from .launch.slurm_stacks import collect_on_slurm
+        from .launch.engines.slurm.stacks import collect_on_slurm
 
         on_slurm = None if args.here else collect_on_slurm(args.run_id)  # a run on Slurm: ask its nodes
         if on_slurm is None:

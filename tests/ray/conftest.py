@@ -69,7 +69,7 @@ class TwoNodeCluster:
         return self.cluster.address
 
     def shutdown(self) -> None:
-        from gpufleet.launch.ray_connect import disconnect
+        from gpufleet.launch.engines.ray.connect import disconnect
 
         disconnect()  # after the threads still waiting on Ray are out of it (a shutdown under them crashes)
         if self.cluster is not None:

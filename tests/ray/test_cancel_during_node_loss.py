@@ -7,7 +7,7 @@ import time
 import pytest
 
 from gpufleet import errors
-from gpufleet.launch import ray_group
+from gpufleet.launch.engines.ray import group as ray_group
 from tests.proc import run_processes
 from tests.ray.conftest import sleepers_then_lose_the_worker_node
 

@@ -212,7 +212,7 @@ def test_the_suites_ray_nodes_register_and_listen_on_loopback_only(two_nodes):
     """No Ray node of the suite registers (or serves on) the machine's network address."""
     import psutil
 
-    from gpufleet.launch.ray_connect import connect
+    from gpufleet.launch.engines.ray.connect import connect
 
     registered = {n["NodeManagerAddress"] for n in connect(two_nodes.address).nodes()}  # the calls' connection
     assert registered == {"127.0.0.1"}, registered

@@ -105,7 +105,7 @@ def test_cancel_leaves_nothing_in_squeue_or_on_the_nodes(tmp_path: Path, monkeyp
     _wait(lambda: (tmp_path / "up-0").exists() and (tmp_path / "up-1").exists(), "both nodes to start")
     job_id = _job_of(capsys, run_id)
     assert job_id in squeue_ids()
-    from gpufleet.launch.slurm_stacks import collect_on_slurm
+    from gpufleet.launch.engines.slurm.stacks import collect_on_slurm
 
     def both_nodes_read():  # on the job's nodes, through srun --overlap
         rid, found = collect_on_slurm(run_id[:-3]) or (None, [])

@@ -62,6 +62,33 @@ def test_the_run_model_imports_none_of_its_front_doors() -> None:
     assert {k: v for k, v in wrong.items() if v} == {}
 
 
+def _names_in_strings(path: Path, text: str) -> bool:
+    """Whether a string of the code (docstrings aside) holds ``text``, e.g. a module run by ``-m``."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and n.body
+                  and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}  # fmt: skip
+    return any(isinstance(n, ast.Constant) and isinstance(n.value, str) and text in n.value and id(n) not in docstrings
+               for n in ast.walk(tree))  # fmt: skip
+
+
+def test_the_launch_core_and_its_engines_import_no_front_door() -> None:
+    """``gpufleet.launch`` serves calls and workloads alike: it never imports either front door, and
+    an engine never imports another engine."""
+    front_doors = ("gpufleet.workload", "gpufleet.api", "gpufleet.detach", "gpufleet.detached_run", "gpufleet.ray_launch")
+    launch = [p for p in _sources() if _module_name(p).startswith("gpufleet.launch")]
+    assert len(launch) >= 30, launch
+    wrong = {}
+    for p in launch:
+        name, imported = _module_name(p), _imports(p, top_level_only=False)
+        engine = name.split(".")[3] if name.startswith("gpufleet.launch.engines.") else None
+        others = tuple(f"gpufleet.launch.engines.{e}" for e in ("local", "ray", "slurm") if e != engine)
+        bad = sorted(m for m in imported if m.startswith(front_doors) or (engine and m.startswith(others)))
+        if bad or _names_in_strings(p, "gpufleet.workload"):
+            wrong[name] = bad or ["a string names gpufleet.workload (a module run by name, say)"]
+    assert wrong == {}
+
+
 def test_no_import_cycle_runs_when_a_module_is_imported() -> None:
     """The top-level imports of src/ form no cycle (imports inside functions are how a lazy edge is kept)."""
     modules = {_module_name(p): p for p in _sources()}

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from gpufleet.launch import ray_connect
+from gpufleet.launch.engines.ray import connect as ray_connect
+from gpufleet.launch.engines.ray.group import RayWorkerGroup
 from gpufleet.launch.group import GroupStartCanceled
-from gpufleet.launch.ray_group import RayWorkerGroup
 
 
 class FakeRayError(Exception):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.launch.slurm_job import CANCELED_FILE, PREEMPTED_FILE, JobState
+from gpufleet.launch.engines.slurm.job import CANCELED_FILE, PREEMPTED_FILE, JobState
 from gpufleet.workload.nodes import NodeSpec
 from gpufleet.workload.schema import WorkloadConfig
 from gpufleet.workload.slurm_executor import PREEMPTED_EXIT_CODE, SlurmExecutor, SlurmNodeProcess
@@ -209,7 +209,7 @@ def test_the_node_guard_lets_ranks_that_outlive_their_launcher_finish_a_preempti
         (tmp_path / CANCELED_FILE).write_text("{}")
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "GPUFLEET_PREEMPT_FILE": str(mark)}
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "gpufleet.workload.guard", "--", "bash", "-c", command],
+    done = subprocess.run([sys.executable, "-m", "gpufleet.launch.node.guard", "--", "bash", "-c", command],
                           env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
     if how in ("a-rank-marked-sigterm", "the-guard-got-sigterm"):
         assert (tmp_path / "saved").exists(), done.stderr  # the orphan finished its work before the node ended
@@ -224,15 +224,15 @@ def test_the_node_guard_lets_ranks_that_outlive_their_launcher_finish_a_preempti
 def test_the_tasks_of_a_job_without_gpus_see_none(tmp_path: Path, gpus: bool) -> None:
     # Slurm unsets CUDA_VISIBLE_DEVICES for a job without GPUs on a node that has them (seen on an
     # H200 node: two CPU ranks then both took GPU 0)
-    from gpufleet.launch.slurm_job import batch_script
+    from gpufleet.launch.engines.slurm.job import batch_script
 
     script = batch_script(tmp_path, "node", sys.executable, gpus=gpus).read_text()
-    args = script.split("slurm_node ", 1)[1].split()
+    args = script.split("gpufleet.launch.engines.slurm.node ", 1)[1].split()
     assert args[:2] == ["batch", "node"] and (args[-1] == "cpu") is (not gpus)
     (tmp_path / "node-command.sh").write_text('echo "visible=[${CUDA_VISIBLE_DEVICES-unset}]"\n')
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     env.update(PYTHONPATH=str(REPO / "src"), SLURM_NODEID="0")
     task = ["task", "node", str(tmp_path)] + (["cpu"] if not gpus else [])
-    done = subprocess.run([sys.executable, "-m", "gpufleet.launch.slurm_node", *task], env=env, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "gpufleet.launch.engines.slurm.node", *task], env=env, timeout=60)
     assert done.returncode == 0
     assert ("visible=[]" if not gpus else "visible=[unset]") in (tmp_path / "node-0.log").read_text()

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from gpufleet.launch.node.envs import env_hash, pip_arguments
 from gpufleet.runs.store import RunStore
-from gpufleet.workload.envs import env_hash, pip_arguments
 from tests.workload.helpers import cli, cli_json, tiny_wheel, write_workload
 
 

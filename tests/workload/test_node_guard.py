@@ -18,7 +18,7 @@ from tests.workload.helpers import tiny_wheel
 ACTOR = textwrap.dedent(
     """
     import sys, time
-    from gpufleet.launch.ray_actor import NodeCommand
+    from gpufleet.launch.engines.ray.actor import NodeCommand
 
     node = NodeCommand("guard-test", 0)
     node.start("sleep 300 & echo $! > " + sys.argv[1] + "; wait", {}, sys.argv[2], {})
@@ -76,7 +76,7 @@ def _run_node(node, command: str, env: dict[str, str], cwd: str) -> tuple[int, s
 
 def test_a_node_without_the_run_folder_runs_in_the_code_ray_shipped(tmp_path: Path, monkeypatch) -> None:
     """No shared storage: the run's code folder is missing on the node, Ray's copy is used."""
-    from gpufleet.launch.ray_actor import SHIPPED_CODE_ENV, NodeCommand
+    from gpufleet.launch.engines.ray.actor import SHIPPED_CODE_ENV, NodeCommand
 
     shipped = tmp_path / "ray-working-dir"  # where Ray unpacks runtime_env working_dir
     shipped.mkdir()
@@ -97,7 +97,7 @@ def test_a_node_without_the_run_environment_builds_it_from_the_dependencies(tmp_
     """No shared storage: the node builds the run's environment itself, once per dependency list."""
     import json
 
-    from gpufleet.launch.ray_actor import NodeCommand
+    from gpufleet.launch.engines.ray.actor import NodeCommand
 
     wheel = tiny_wheel(tmp_path)
     env = {

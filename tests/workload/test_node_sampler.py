@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from gpufleet.launch.ray_actor import NodeCommand
+from gpufleet.launch.engines.ray.actor import NodeCommand
 
 
 class _Sampler:

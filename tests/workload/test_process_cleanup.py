@@ -86,8 +86,8 @@ def test_the_nodes_get_omp_num_threads_unless_the_workload_sets_it(
 
 def test_every_workload_error_is_a_gpufleet_error() -> None:
     from gpufleet.errors import GpufleetError
+    from gpufleet.launch.node.envs import EnvironmentSetupCanceled, EnvironmentSetupError
     from gpufleet.runs.store import RunNotFoundError
-    from gpufleet.workload.envs import EnvironmentSetupCanceled, EnvironmentSetupError
     from gpufleet.workload.nodes import ExecutorUnavailableError
     from gpufleet.workload.runner import ExecutorUnavailableError as FromRunner
 
@@ -103,9 +103,9 @@ def test_every_workload_error_is_a_gpufleet_error() -> None:
 
 def test_the_guard_and_the_environment_builder_run_by_path(tmp_path: Path) -> None:
     """As on a Ray node: ``python .../guard.py`` and ``python .../envs.py`` find their helper beside them."""
-    import gpufleet.workload as workload
+    import gpufleet.launch.node as node
 
-    folder = Path(workload.__file__).parent
+    folder = Path(node.__file__).parent
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([sys.executable, str(folder / "guard.py"), "--", "bash", "-c", "echo hi; exit 4"],
                           capture_output=True, text=True, timeout=30, env=env, cwd=tmp_path)  # fmt: skip

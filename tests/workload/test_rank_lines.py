@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from gpufleet.launch.node.ranklines import RankLines
 from gpufleet.runs.store import RunStore
-from gpufleet.workload.ranklines import RankLines
 from tests.workload.helpers import cli, wait_state, write_workload
 
 TRAIN = """
@@ -138,7 +138,7 @@ def test_a_sigkilled_guards_folder_goes_when_the_next_guard_starts(tmp_path: Pat
 
     monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
     guard = subprocess.Popen(
-        [sys.executable, "-m", "gpufleet.workload.guard", "--", "bash", "-c", "sleep 60"],
+        [sys.executable, "-m", "gpufleet.launch.node.guard", "--", "bash", "-c", "sleep 60"],
         env={**os.environ, "NODE_RANK": "0", "LOCAL_WORLD_SIZE": "2"},
     )
     try:

@@ -136,7 +136,7 @@ def test_secret_looking_env_variables_are_warned_about(
 
 
 def test_secret_values_are_masked_in_a_stream_cut_anywhere() -> None:
-    from gpufleet.workload.guard import Masker
+    from gpufleet.launch.node.guard import Masker
 
     values = [b"abc-secret-1", b"abc-other"]
     text = b"x abc-secret-1 y abc-other z abc-sec"

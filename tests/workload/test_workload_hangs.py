@@ -129,7 +129,7 @@ def test_the_fault_boot_keeps_the_environments_own_sitecustomize(tmp_path: Path)
     import subprocess
     import sys
 
-    from gpufleet.workload.guard import fault_boot_env
+    from gpufleet.launch.node.guard import fault_boot_env
 
     own = tmp_path / "own"
     own.mkdir()

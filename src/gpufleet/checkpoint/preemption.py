@@ -1,7 +1,7 @@
 """Whether the scheduler asked the job to stop soon: Slurm's signal before its time limit, or a preemption.
 
 Every rank of a Slurm workload has ``GPUFLEET_PREEMPT_FILE``: a file in the attempt's folder that
-means "checkpoint now, the job ends soon" once it exists (:mod:`gpufleet.launch.slurm_job`). Two
+means "checkpoint now, the job ends soon" once it exists (:mod:`gpufleet.launch.engines.slurm.job`). Two
 things write it:
 
 - the job's batch step, on ``SIGUSR1`` (``--signal=B:USR1@N``: the time limit is near, or a
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..launch.slurm_job import CANCELED_FILE, PREEMPT_FILE_ENV
+from ..launch.engines.slurm.job import CANCELED_FILE, PREEMPT_FILE_ENV
 
 __all__ = ["preemption_requested", "watch_termination"]
 

@@ -1,7 +1,7 @@
 """The worker-group protocol: start, poll (a frozen status), stop; the controller decides.
 
 A worker group only knows how its processes come to be and how to learn about them: local
-processes (:mod:`gpufleet.launch.local`), Ray actors (:mod:`gpufleet.launch.ray_group`) or a
+processes (:mod:`gpufleet.launch.engines.local.group`), Ray actors (:mod:`gpufleet.launch.engines.ray.group`) or a
 workload's node commands (:mod:`gpufleet.workload.nodes`). Deadlines, the settle window, cancel,
 retries and tracking belong to :class:`~gpufleet.launch.controller.Controller`.
 """

@@ -6,7 +6,7 @@ the leaders' descendants (children that called ``setsid`` left the group but not
 and every process carrying the run's id in its environment (descendants of a leader that
 already exited, daemons that double-forked away from the tree). Processes that must stay free
 of third-party imports (the node guard, the environment builder) use
-:mod:`gpufleet.workload.procgroup` instead.
+:mod:`gpufleet.launch.node.procgroup` instead.
 """
 
 from __future__ import annotations

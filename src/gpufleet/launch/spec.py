@@ -41,6 +41,16 @@ class RankSlot:
     local_world_size: int
 
 
+def package_dir() -> Path:
+    """The installed ``gpufleet`` package folder (what a Ray job uploads as a module)."""
+    return Path(__file__).resolve().parent.parent
+
+
+def package_parent() -> str:
+    """The folder that holds the ``gpufleet`` package: what a rank's ``PYTHONPATH`` starts with."""
+    return str(package_dir().parent)
+
+
 def local_slots(num_ranks: int) -> list[RankSlot]:
     """The slots of ``num_ranks`` ranks that all run on one node."""
     return [RankSlot(r, r, 0, num_ranks) for r in range(num_ranks)]

@@ -54,14 +54,14 @@ def _watch_parent(parent_pid: int, on_orphan: Any = None) -> None:
 
 
 def _adopt_orphans() -> None:
-    """Become the subreaper of what the call starts, and stop it at exit (see :mod:`gpufleet.workload.adopted`).
+    """Become the subreaper of what the call starts, and stop it at exit (see :mod:`gpufleet.launch.node.adopted`).
 
     Registered first, the exit handler runs last: after the call's own handlers shut their
     helpers down (compile workers, data loaders), what is still running is stopped.
     """
     import atexit
 
-    from ..workload.adopted import become_subreaper, stop_descendants
+    from .node.adopted import become_subreaper, stop_descendants
 
     if become_subreaper():
         atexit.register(stop_descendants)
@@ -86,7 +86,7 @@ def _describe_exception(exc: BaseException) -> dict[str, Any]:
     }
 
 
-#: A warm worker keeps its process group between calls (see :mod:`gpufleet.launch.warm_worker`).
+#: A warm worker keeps its process group between calls (see :mod:`gpufleet.launch.engines.local.warm_worker`).
 KEEP_PROCESS_GROUP = False
 
 

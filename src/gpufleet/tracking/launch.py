@@ -315,7 +315,7 @@ class CallTracking:
         return None
 
     def system_metrics(self, group: WorkerGroup) -> bool:
-        return self.launcher == "local"  # on Ray each node samples itself (launch/ray_actor.py)
+        return self.launcher == "local"  # on Ray each node samples itself (launch/engines/ray/actor.py)
 
     def opened(self, tracked: TrackedRun, group: WorkerGroup, attempt: int) -> None:
         _say_where(tracked)

@@ -117,7 +117,7 @@ class NodeExecutor(abc.ABC):
 
 
 class LocalNodeProcess(NodeProcess):
-    """A node command on this machine, led by ``gpufleet.workload.guard`` in its own group.
+    """A node command on this machine, led by ``gpufleet.launch.node.guard`` in its own group.
 
     Stopping it reaches the guard's process group, its descendants and every process that
     carries the run's id (a child that called ``setsid`` left both the group and, once its
@@ -131,7 +131,7 @@ class LocalNodeProcess(NodeProcess):
         log = open(spec.log_path, "ab", buffering=0)  # noqa: SIM115 - the child holds it
         try:
             self.popen = popen_in_own_group(
-                [sys.executable, "-m", "gpufleet.workload.guard", "--", "bash", "-c", spec.command],
+                [sys.executable, "-m", "gpufleet.launch.node.guard", "--", "bash", "-c", spec.command],
                 spec.env, spec.cwd, stdout=log, stderr=subprocess.STDOUT, pass_fds=pass_fds,
             )  # fmt: skip
         finally:

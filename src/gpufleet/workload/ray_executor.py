@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import LaunchConfigError, SchedulingTimeoutError
 from ..launch.group import GroupStartCanceled
-from .envs import DEPENDENCIES_ENV
+from ..launch.node.envs import DEPENDENCIES_ENV
 from .nodes import GRACE_PERIOD_S, NodeExecutor, NodeProcess, NodeSpec
 from .schema import WorkloadConfig
 
@@ -46,7 +46,7 @@ _NODE_OWN = ("HOME", "USER", "LOGNAME", "SHELL", "TMPDIR", "HOSTNAME", "PWD", "O
 
 def create_executor(config: WorkloadConfig) -> RayExecutor:
     """The executor of a workload that spans nodes or names ``compute.cluster``."""
-    from ..launch.ray_connect import import_ray
+    from ..launch.engines.ray.connect import import_ray
 
     import_ray()  # fail at submit time when Ray is missing
     address = config.compute.cluster or os.environ.get("RAY_ADDRESS")
@@ -59,7 +59,7 @@ def create_executor(config: WorkloadConfig) -> RayExecutor:
 
 
 class RayNodeProcess(NodeProcess):
-    """One node's command, running in a :class:`~gpufleet.launch.ray_actor.NodeCommand`."""
+    """One node's command, running in a :class:`~gpufleet.launch.engines.ray.actor.NodeCommand`."""
 
     def __init__(self, ray: Any, actor: Any, spec: NodeSpec, node: dict[str, Any]) -> None:
         self.node_rank = spec.node_rank
@@ -193,8 +193,8 @@ class RayExecutor(NodeExecutor):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from ..launch.ray_actor import SHIPPED_CODE_ENV, NodeCommand
-        from ..launch.ray_connect import connect
+        from ..launch.engines.ray.actor import SHIPPED_CODE_ENV, NodeCommand
+        from ..launch.engines.ray.connect import connect
 
         self._release()
         job_env = None

@@ -220,14 +220,14 @@ class Supervisor:
         deps = self.config.environment.dependencies
         if not deps:
             return os.path.dirname(sys.executable)
-        from .envs import ensure_environment
+        from ..launch.node.envs import ensure_environment
 
         envs_dir = private_dir(self.store.home / "envs", "the environments folder")
         with open(self.run_dir / "environment.log", "a", opener=private_file_opener) as log:
             return str(ensure_environment(deps, envs_dir, log, cancel=self.cancel_event, base_dir=self.run_dir / "code"))
 
     def _run_attempts(self) -> tuple[RunState, int | None, str | None]:
-        from .envs import EnvironmentSetupCanceled
+        from ..launch.node.envs import EnvironmentSetupCanceled
 
         if self.cancel_event.is_set():
             return CANCELED, None, self.cancel_reason + " before it started"
@@ -255,7 +255,7 @@ class Supervisor:
 
             callbacks.append(RunTracking(WorkloadTracking(
                 self.config, self.run, self.log,
-                system_metrics=not needs_cluster(self.config),  # on Ray each node samples itself (launch/ray_actor.py)
+                system_metrics=not needs_cluster(self.config),  # on Ray each node samples itself (launch/engines/ray/actor.py)
                 ends=recorder.ends, handed_over=self._take_mlflow_run,
             )))  # fmt: skip
         timeout_min = self.config.timeout_minutes

@@ -1,7 +1,7 @@
 """Slurm executor for CLI workloads (``compute.cluster: slurm``): each attempt is one Slurm job.
 
 The job allocates ``compute.num_nodes`` nodes with ``--gpus-per-node`` (or, for ``CPU_<n>``, ``n``
-CPUs per node) plus ``compute.slurm``'s options; its batch step (:mod:`gpufleet.launch.slurm_node`)
+CPUs per node) plus ``compute.slurm``'s options; its batch step (:mod:`gpufleet.launch.engines.slurm.node`)
 sets ``MASTER_ADDR`` to the first node's address and ``MASTER_PORT`` to a free port there, and
 ``srun`` runs the command once per node under the node guard with ``NODE_RANK`` = Slurm's node id.
 The rest of the per-node contract is the one :class:`~gpufleet.workload.nodes.WorkloadNodeGroup`
@@ -31,8 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..launch.group import GroupStartCanceled
-from ..launch.slurm_job import (
+from ..launch.engines.slurm.job import (
     CANCELED_FILE,
     PREEMPT_FILE_ENV,
     PREEMPTED_FILE,
@@ -42,6 +41,7 @@ from ..launch.slurm_job import (
     require_slurm,
     resource_args,
 )
+from ..launch.group import GroupStartCanceled
 from ..results import write_atomic
 from .nodes import GRACE_PERIOD_S, NodeExecutor, NodeProcess, NodeSpec
 from .schema import WorkloadConfig
@@ -261,7 +261,7 @@ class SlurmExecutor(NodeExecutor):
 
     def stacks(self, run_id: str) -> list[dict[str, Any]]:
         """The run's processes and stacks, read on the job's nodes (``srun --overlap``)."""
-        from ..launch.slurm_stacks import collect_on_slurm
+        from ..launch.engines.slurm.stacks import collect_on_slurm
 
         got = collect_on_slurm(run_id)
         return got[1] if got else []

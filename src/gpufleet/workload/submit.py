@@ -91,7 +91,7 @@ def _disk_problems(config: Any, path: Path) -> list[Problem]:
 
 def requirement_files(config: WorkloadConfig) -> list[tuple[int, str]]:
     """``(index, path)`` of each requirement file (``-r`` / ``-c``) of ``environment.dependencies``."""
-    from .envs import FILE_OPTIONS, split_dependency
+    from ..launch.node.envs import FILE_OPTIONS, split_dependency
 
     out = []
     for i, item in enumerate(config.environment.dependencies):
@@ -188,7 +188,7 @@ def local_gpu_problem(config: WorkloadConfig) -> str | None:
 
 def plan(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
     """What ``run`` would do, resolved without starting anything or needing GPUs."""
-    from .envs import env_hash
+    from ..launch.node.envs import env_hash
     from .nodes import RAY_EXECUTOR_MODULE, needs_cluster
 
     config, root = load_and_check(path, overrides)

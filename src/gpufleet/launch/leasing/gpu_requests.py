@@ -2,7 +2,7 @@
 
 ``gpus`` (a count, a list of GPU indices, or None for every free GPU) and ``gpu_wait`` become a
 :class:`~gpufleet.launch.leasing.leases.GpuRequest`; :func:`lease_for_group` takes it when a
-:class:`~gpufleet.launch.local.LocalWorkerGroup` starts, and :func:`release_group_lease` gives
+:class:`~gpufleet.launch.engines.local.group.LocalWorkerGroup` starts, and :func:`release_group_lease` gives
 it back once its ranks have exited.
 """
 

@@ -13,7 +13,7 @@ deadlock two runs). A waiting run tries again the moment a holder lets go (a thr
 file blocks in a shared ``flock`` until the exclusive one is released: the hand-off takes
 milliseconds, not a polling interval), and otherwise every second with jitter (for processes
 outside gpufleet) until ``wait_s`` has passed. While it waits it holds a shared ``flock`` on each
-wanted GPU's ``gpu-<uuid>.want`` file, which is how idle warm ranks (:mod:`gpufleet.launch.warm`)
+wanted GPU's ``gpu-<uuid>.want`` file, which is how idle warm ranks (:mod:`gpufleet.launch.engines.local.warm`)
 and :func:`wanted` know that someone waits for their GPUs.
 There is no queue: the first run to find enough free GPUs gets them. GPUs on which NVML shows
 compute processes outside gpufleet that use them (memory or utilisation above the thresholds of

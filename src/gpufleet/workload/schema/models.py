@@ -179,7 +179,7 @@ class EnvironmentConfig(_Strict):
     def _check_deps(cls, v: list[str]) -> list[str]:
         from packaging.requirements import InvalidRequirement, Requirement
 
-        from ..envs import FILE_OPTIONS, split_dependency
+        from ...launch.node.envs import FILE_OPTIONS, split_dependency
 
         bad = []
         for i, spec in enumerate(v):

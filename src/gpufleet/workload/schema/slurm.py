@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ...launch.slurm_job import OWN_OPTIONS, SlurmOptions
+from ...launch.engines.slurm.job import OWN_OPTIONS, SlurmOptions
 
 
 class SlurmConfig(BaseModel):

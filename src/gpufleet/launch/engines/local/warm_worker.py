@@ -1,11 +1,11 @@
 """A warm rank: one interpreter that runs call after call, keeping imports, CUDA context and process group.
 
-Run as ``python -m gpufleet.launch.warm_worker CONTROL_DIR RANK`` by :mod:`gpufleet.launch.warm`.
+Run as ``python -m gpufleet.launch.engines.local.warm_worker CONTROL_DIR RANK`` by :mod:`gpufleet.launch.engines.local.warm`.
 Each line of the job pipe (stdin when it starts; the call's own stdin is ``/dev/null``) is a
 job: ``{"run_dir": ..., "env": {...}}``. The rank takes that call's environment (run id, run
 folder, attempt, tracking, faults), runs the payload in the run folder through the same steps as
 a cold worker (:func:`gpufleet.launch.worker.load_call` and ``run_call``), writes the outcome
-there, puts back the process state the call changed (:mod:`gpufleet.launch.warm_state`), frees
+there, puts back the process state the call changed (:mod:`gpufleet.launch.engines.local.warm_state`), frees
 what the call left (garbage, cached GPU memory), and writes an end-of-job mark on its stdout and
 stderr descriptors so the caller knows the call's output is complete; the mark says when the
 rank must be replaced instead of serving again. The function's globals are fresh for every call
@@ -28,11 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..results import RunDir
-from ..runtime import exit_without_teardown
-from . import worker
-from .spec import PARENT_PID_ENV, Payload
-from .tracebacks import register_sources
+from ....results import RunDir
+from ....runtime import exit_without_teardown
+from ... import worker
+from ...spec import PARENT_PID_ENV, Payload
+from ...tracebacks import register_sources
 
 #: Printed at the end of a line of stdout and of stderr after each job...
 JOB_END = "\x1egpufleet-job-end"
@@ -82,8 +82,8 @@ def _end_of_job(replace: list[str]) -> None:
 
 def serve(control_dir: Path, rank: int) -> int:
     """Run jobs from the job pipe until it closes; returns the exit code."""
-    from .. import faults
-    from . import progress
+    from .... import faults
+    from ... import progress
     from .warm_state import ColdState, devnull_stdin
 
     jobs = os.fdopen(devnull_stdin(), "r")  # the call's stdin reads /dev/null, as a cold rank's does
@@ -177,7 +177,7 @@ def remove_control_dir_if_orphaned(control_dir: Path, parent_pid: int | None, wa
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry of ``python -m gpufleet.launch.warm_worker CONTROL_DIR RANK``."""
+    """Entry of ``python -m gpufleet.launch.engines.local.warm_worker CONTROL_DIR RANK``."""
     argv = sys.argv[1:] if argv is None else argv
     control_dir, rank = Path(argv[0]), int(argv[1])
     parent = os.environ.get(PARENT_PID_ENV)

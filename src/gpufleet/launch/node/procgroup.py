@@ -3,7 +3,7 @@
 The node guard (``guard.py``) and the environment builder (``envs.py``) run by file path on
 Ray nodes and must start in milliseconds, so they cannot use psutil or gpufleet's process-tree
 stopper (:func:`gpufleet.launch.proctree.stop_tree`); this module is what they share. Import
-it as ``gpufleet.workload.procgroup`` or, from a file run by path, as ``procgroup`` (its
+it as ``gpufleet.launch.node.procgroup`` or, from a file run by path, as ``procgroup`` (its
 folder is then the first entry of ``sys.path``).
 """
 

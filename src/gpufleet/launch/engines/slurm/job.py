@@ -1,8 +1,8 @@
 """One Slurm job of an attempt, from the submitting machine: sbatch, its state, scancel.
 
-Used by both Slurm worker groups (a call's ranks, :mod:`gpufleet.launch.slurm_group`; a workload's
+Used by both Slurm worker groups (a call's ranks, :mod:`gpufleet.launch.engines.slurm.group`; a workload's
 node commands, :mod:`gpufleet.workload.slurm_executor`). A job is one allocation of ``num_nodes``
-nodes; its batch step (:mod:`gpufleet.launch.slurm_node`) starts the ranks or node commands with
+nodes; its batch step (:mod:`gpufleet.launch.engines.slurm.node`) starts the ranks or node commands with
 ``srun``. The job's environment is the submitting process's (``--export=ALL``): secrets reach the
 nodes that way only, never in the batch script (which holds only paths) or on a command line.
 
@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import GpufleetError, LaunchConfigError
+from ....errors import GpufleetError, LaunchConfigError
 
 __all__ = ["CANCELED_FILE", "PREEMPT_FILE_ENV", "PREEMPTED_FILE", "SlurmJob", "SlurmOptions", "SlurmError", "slurm_options"]
 
@@ -286,7 +286,7 @@ def batch_script(folder: Path, mode: str, python: str, gpus: bool = True) -> Pat
     """
     path = folder / "slurm-batch.sh"
     cpu = "" if gpus else " cpu"
-    path.write_text(f"#!/bin/bash\nexec {_quote(python)} -m gpufleet.launch.slurm_node batch {mode} {_quote(str(folder))}{cpu}\n")
+    path.write_text(f"#!/bin/bash\nexec {_quote(python)} -m gpufleet.launch.engines.slurm.node batch {mode} {_quote(str(folder))}{cpu}\n")
     os.chmod(path, 0o700)
     return path
 

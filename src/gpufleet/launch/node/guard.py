@@ -1,9 +1,9 @@
 """Leader of one node's process group: runs the command and stops the group if the supervisor dies.
 
-It is also the subreaper of what the command starts (:mod:`gpufleet.workload.adopted`): a
+It is also the subreaper of what the command starts (:mod:`gpufleet.launch.node.adopted`): a
 daemon that double-forks out of the group stays below the guard and is stopped with it.
 
-``python -m gpufleet.workload.guard -- bash -c COMMAND`` is started by the supervisor in a new
+``python -m gpufleet.launch.node.guard -- bash -c COMMAND`` is started by the supervisor in a new
 session. It waits for the command and exits with its exit code. If the supervisor goes away
 (even by SIGKILL) it notices within a fraction of a second, terminates every process of its
 group (the command and whatever it started), and kills those that do not stop.
@@ -13,10 +13,10 @@ output goes through the guard, which writes it on with every secret value masked
 (:class:`Masker`); otherwise the command writes to the node's log itself.
 
 The ranks torchrun starts write into files of a private folder, and the guard writes their
-lines into the node's log whole, each prefixed with its rank (:mod:`gpufleet.workload.ranklines`).
+lines into the node's log whole, each prefixed with its rank (:mod:`gpufleet.launch.node.ranklines`).
 
 Kept free of third-party imports so it starts in a few milliseconds; a Ray node runs it by
-file path (``python .../workload/guard.py``), so it imports its one helper either way.
+file path (``python .../launch/node/guard.py``), so it imports its one helper either way.
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ _DRAIN_S = 2.0
 #: The faults an attempt rehearses (``gpufleet.faults.FAULTS_ENV``).
 FAULTS_ENV = "GPUFLEET_FAULTS"
 #: Its ``sitecustomize`` arms them in every rank the command starts (``gpufleet/fault_boot``).
-#: The attempt's "the scheduler ends the job soon" file (``gpufleet.launch.slurm_job.PREEMPT_FILE_ENV``).
+#: The attempt's "the scheduler ends the job soon" file (``gpufleet.launch.engines.slurm.job.PREEMPT_FILE_ENV``).
 PREEMPT_FILE_ENV = "GPUFLEET_PREEMPT_FILE"
 #: Seconds the ranks that outlive their launcher get to finish a preemption's checkpoint (the
 #: scheduler's grace time usually ends them sooner).
 _CHECKPOINT_WAIT_S = 300.0
-FAULT_BOOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fault_boot")
+FAULT_BOOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fault_boot")
 
 
 def fault_boot_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -172,11 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command after ``--``; returns its exit code (128 + signal when killed)."""
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv or argv.index("--") == len(argv) - 1:
-        print("usage: python -m gpufleet.workload.guard -- COMMAND...", file=sys.stderr)
+        print("usage: python -m gpufleet.launch.node.guard -- COMMAND...", file=sys.stderr)
         return 2
     command = argv[argv.index("--") + 1 :]
     parent = os.getppid()
-    become_subreaper()  # a daemon the command double-forks stays below the guard (workload/adopted.py)
+    become_subreaper()  # a daemon the command double-forks stays below the guard (launch/node/adopted.py)
     # TERM/INT reach the whole group from the supervisor; the guard outlives the command
     # so that its exit code is reported.
     signal.signal(signal.SIGTERM, lambda *_: _TERMINATED.append(True))

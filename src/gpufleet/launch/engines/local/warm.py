@@ -3,11 +3,11 @@
 A :class:`WarmWorkerGroup` is the local worker group of one call (its own run id, run folder,
 logs, outcome files, tracking), whose ranks come from a pool of warm ranks kept by this process:
 interpreters that already imported what the last call imported, hold their CUDA context and keep
-their process group (:mod:`gpufleet.launch.warm_worker`). Ranks are reused only for the same
+their process group (:mod:`gpufleet.launch.engines.local.warm_worker`). Ranks are reused only for the same
 placement and environment (GPUs, world size, the call's ``env``, the Python executable, the
 function's source file when it is imported rather than shipped by value); anything else starts
 fresh ranks, stopping idle ones that hold the same GPUs. Each call starts from a cold rank's
-process state (:mod:`gpufleet.launch.warm_state`); a rank that cannot put its state back says so
+process state (:mod:`gpufleet.launch.engines.local.warm_state`); a rank that cannot put its state back says so
 with its end-of-job mark and is replaced. Any failure, timeout or Ctrl-C discards the ranks; a
 cancel interrupts the call in every rank and keeps them when all come back within the grace
 period. Ranks idle past ``keep_warm`` seconds, or whose GPUs another run waits for, are stopped,
@@ -42,17 +42,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ..results import RunDir
-from . import failures
-from .group import GroupStatus
-from .kernel import interactive
-from .leasing.gpu_requests import lease_for_group, release_group_lease
-from .leasing.leases import Holder
-from .local import LocalPlacement, LocalWorkerGroup
-from .logstream import LogConfig, RankLog
-from .ports import find_free_port
-from .proctree import stop_tree
-from .spec import LaunchSpec, Rendezvous
+from ....results import RunDir
+from ... import failures
+from ...group import GroupStatus
+from ...kernel import interactive
+from ...leasing.gpu_requests import lease_for_group, release_group_lease
+from ...leasing.leases import Holder
+from ...logstream import LogConfig, RankLog
+from ...ports import find_free_port
+from ...proctree import stop_tree
+from ...spec import LaunchSpec, Rendezvous
+from .group import LocalPlacement, LocalWorkerGroup
 from .warm_worker import JOB_END, OWNER_LOCK, REPLACE_SUFFIX
 
 logger = logging.getLogger(__name__)
@@ -361,7 +361,7 @@ class WarmWorkerGroup(LocalWorkerGroup):
         try:
             for rank in range(self.spec.world_size):
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "gpufleet.launch.warm_worker", str(control), str(rank)],
+                    [sys.executable, "-m", "gpufleet.launch.engines.local.warm_worker", str(control), str(rank)],
                     env=self._env(rank, rendezvous), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
                     pass_fds=self.lease.fds if self.lease is not None else (),  # held while they live

@@ -13,18 +13,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import RankFailure
-from ..results import ERROR, OK, RunDir, read_outcome
-from . import failures
-from .group import GroupStatus, WorkerGroup
-from .leasing.gpu_requests import lease_for_group, release_group_lease
-from .leasing.leases import GpuLease, GpuRequest
-from .logstream import LogConfig, RankLog, failure_text
-from .ports import find_free_port
-from .proctree import popen_in_own_group, run_processes, stop_tree
-from .progress import PROGRESS_INTERVAL_ENV, read_progress, request_stacks
-from .spec import LATE_ENV_VAR, PARENT_PID_ENV, LaunchSpec, Rendezvous, default_threads, local_slots
-from .worker import LOOPBACK_STORE_ENV
+from ....errors import RankFailure
+from ....results import ERROR, OK, RunDir, read_outcome
+from ... import failures
+from ...group import GroupStatus, WorkerGroup
+from ...leasing.gpu_requests import lease_for_group, release_group_lease
+from ...leasing.leases import GpuLease, GpuRequest
+from ...logstream import LogConfig, RankLog, failure_text
+from ...ports import find_free_port
+from ...proctree import popen_in_own_group, run_processes, stop_tree
+from ...progress import PROGRESS_INTERVAL_ENV, read_progress, request_stacks
+from ...spec import (
+    LATE_ENV_VAR,
+    PARENT_PID_ENV,
+    LaunchSpec,
+    Rendezvous,
+    default_threads,
+    local_slots,
+    package_parent,
+)
+from ...worker import LOOPBACK_STORE_ENV
 
 __all__ = ["LocalPlacement", "LocalWorkerGroup"]
 
@@ -105,8 +113,7 @@ class LocalWorkerGroup(WorkerGroup):
         spec = self.spec
         env = dict(os.environ)
         env.update(spec.rank_env(local_slots(spec.world_size)[rank], rendezvous))
-        package_parent = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in [package_parent, env.get("PYTHONPATH", "")] if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [package_parent(), env.get("PYTHONPATH", "")] if p)
         env["GPUFLEET_RUN_DIR"] = str(self.run_dir.path)
         env[PARENT_PID_ENV] = str(os.getpid())
         if self.env_deferred:

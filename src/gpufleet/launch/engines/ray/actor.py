@@ -22,11 +22,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
-from ..results import RunDir, read_outcome
-from ..workload.envs import DEPENDENCIES_ENV
-from .ports import find_free_port
-from .proctree import popen_in_own_group, stop_tree
-from .spec import PARENT_PID_ENV, Payload, default_threads
+from ....results import RunDir, read_outcome
+from ... import node as node_helpers
+from ...node.envs import DEPENDENCIES_ENV
+from ...ports import find_free_port
+from ...proctree import popen_in_own_group, stop_tree
+from ...spec import PARENT_PID_ENV, Payload, default_threads
 
 # Lines kept between two polls; beyond this the oldest are dropped (the caller is told).
 _MAX_PENDING_LINES = 100_000
@@ -67,7 +68,7 @@ class ChildProcess:
 
     def _start_sampler(self, env: dict[str, str], node_id: str) -> None:
         try:
-            from ..tracking.system_metrics import start_node_sampler
+            from ....tracking.system_metrics import start_node_sampler
         except ImportError:
             return
         sampler = start_node_sampler(env, node_id)
@@ -213,13 +214,13 @@ class RankProcess(ChildProcess):
         return pid
 
     def _progress(self) -> dict[str, Any] | None:
-        from .progress import read_progress
+        from ...progress import read_progress
 
         return read_progress(self.dir, self.rank)
 
     def stacks(self, timeout_s: float = 3.0) -> str | None:
 
-        from .progress import request_stacks
+        from ...progress import request_stacks
 
         if self._proc is None or self._proc.poll() is not None or not (self.dir / f"progress-{self.rank}.json").exists():
             return None
@@ -277,19 +278,19 @@ class NodeCommand(ChildProcess):
             path = self.dir / name.lower()
             path.write_bytes(data)
             full_env[name] = str(path)
-        workload = Path(__file__).resolve().parent.parent / "workload"
+        node_dir = Path(node_helpers.__file__).resolve().parent  # run by path: stdlib only
         if env.get(DEPENDENCIES_ENV) and not os.path.isdir(run_bin):
             # This node does not see the run's environment: it builds its own (cached per spec
             # under this node's GPUFLEET_HOME), its pip output in the node's log, then the command
             # runs with that environment first on PATH.
             full_env["GPUFLEET_NODE_COMMAND"] = command
             full_env["GPUFLEET_NODE_PYTHON"] = sys.executable
-            full_env["GPUFLEET_ENVS_PY"] = str(workload / "envs.py")
+            full_env["GPUFLEET_ENVS_PY"] = str(node_dir / "envs.py")
             command = _BUILD_THEN_RUN
         # The guard leads the command's process group and stops it if this actor dies (a killed
         # actor or raylet would otherwise leave the command running on the node). Run by path: it
         # needs nothing but the standard library.
-        guard = str(workload / "guard.py")
+        guard = str(node_dir / "guard.py")
         pid = self._spawn([sys.executable, guard, "--", "bash", "-c", command], full_env, cwd)
         self._sample_node(full_env, f"node{self.node_rank}")
         return pid

@@ -1,7 +1,7 @@
 """Inside a Slurm job: the batch step, and each task that ``srun`` starts (a rank, or a node's command).
 
-``python -m gpufleet.launch.slurm_node batch MODE FOLDER`` is the job's batch script
-(:func:`gpufleet.launch.slurm_job.batch_script`). It runs on the allocation's first node, sets
+``python -m gpufleet.launch.engines.slurm.node batch MODE FOLDER`` is the job's batch script
+(:func:`gpufleet.launch.engines.slurm.job.batch_script`). It runs on the allocation's first node, sets
 ``MASTER_ADDR`` (that node's address as Slurm knows it) and ``MASTER_PORT`` (a free port there),
 turns Slurm's ``SIGUSR1`` (sent before the time limit, ``--signal=B:USR1@N``; a preemption's
 ``SIGTERM`` goes to the tasks, see :mod:`gpufleet.checkpoint.preemption`) into the attempt's
@@ -12,7 +12,7 @@ preempted mark, and starts one task per rank or per node with ``srun``:
   RANK`` (the one worker entry), writes its output lines, each tagged ``O`` (stdout) or ``E``
   (stderr), to ``rank-R.stream`` for the caller, and its exit code to ``rank-R.exit``.
 - ``task node FOLDER``: one node of a workload. ``NODE_RANK`` is Slurm's node id; the node's command
-  runs under the node guard (:mod:`gpufleet.workload.guard`) with its output in ``node-N.log``; its
+  runs under the node guard (:mod:`gpufleet.launch.node.guard`) with its output in ``node-N.log``; its
   exit code is written to ``node-N.exit`` (atomically) for the supervisor.
 
 A trailing ``cpu`` (a job without GPUs) empties ``CUDA_VISIBLE_DEVICES`` in every task: Slurm unsets
@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 from typing import IO
 
-from ..results import write_atomic
-from .slurm_job import PREEMPTED_FILE, node_address
-from .spec import default_threads
+from ....results import write_atomic
+from ...spec import default_threads
+from .job import PREEMPTED_FILE, node_address
 
 
 def _cores() -> int:
@@ -57,7 +57,7 @@ def _say(message: str) -> None:
 
 def batch(mode: str, folder: Path, cpu: bool = False) -> int:
     """The batch step: rendezvous address, the preemption signal, one task per rank/node through srun."""
-    from .ports import find_free_port
+    from ...ports import find_free_port
 
     node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
     addr = node_address(node)
@@ -76,7 +76,7 @@ def batch(mode: str, folder: Path, cpu: bool = False) -> int:
     cpus = int(os.environ.get("SLURM_CPUS_ON_NODE", "1").split("(")[0] or 1)
     tasks = int(os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1) if mode == "rank" else 1
     cmd = ["srun", "--export=ALL", "--kill-on-bad-exit=0", f"--cpus-per-task={max(1, cpus // tasks)}",
-           sys.executable, "-m", "gpufleet.launch.slurm_node", "task", mode, str(folder), *(["cpu"] if cpu else [])]  # fmt: skip
+           sys.executable, "-m", "gpufleet.launch.engines.slurm.node", "task", mode, str(folder), *(["cpu"] if cpu else [])]  # fmt: skip
     step = subprocess.Popen(cmd)
     while True:
         try:
@@ -132,7 +132,7 @@ def _node_task(folder: Path) -> int:
     command = (folder / "node-command.sh").read_text()
     log = os.open(folder / f"node-{node_rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        child = subprocess.Popen([sys.executable, "-m", "gpufleet.workload.guard", "--", "bash", "-c", command],
+        child = subprocess.Popen([sys.executable, "-m", "gpufleet.launch.node.guard", "--", "bash", "-c", command],
                                  stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
     finally:
         os.close(log)
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if (len(argv) not in (3, 4) or argv[0] not in ("batch", "task") or argv[1] not in ("rank", "node")
             or argv[3:] not in ([], ["cpu"])):  # fmt: skip
-        print("usage: python -m gpufleet.launch.slurm_node batch|task rank|node FOLDER [cpu]", file=sys.stderr)
+        print("usage: python -m gpufleet.launch.engines.slurm.node batch|task rank|node FOLDER [cpu]", file=sys.stderr)
         return 2
     where, mode, folder, cpu = argv[0], argv[1], Path(argv[2]), argv[3:] == ["cpu"]
     if where == "batch":

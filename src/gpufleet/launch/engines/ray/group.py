@@ -2,7 +2,7 @@
 
 It reserves one bundle per rank (``{"GPU": 1, "CPU": 1}``, or ``{"CPU": 1}`` for
 ``gpu_type="cpu"``), puts ranks of the same node next to each other, and starts each rank
-through the shared worker entry inside a :class:`~gpufleet.launch.ray_actor.RankProcess`
+through the shared worker entry inside a :class:`~gpufleet.launch.engines.ray.actor.RankProcess`
 actor. Output lines come back to the caller's run directory (``rank-N.log``) and are streamed
 with a rank prefix, exactly as for local runs; outcomes follow the same per-rank contract.
 Its size is one concern: asking the cluster for room, placing ranks, and telling a rank's
@@ -16,13 +16,13 @@ import threading
 import time
 from typing import Any
 
-from ..errors import LaunchConfigError, RankFailure
-from ..results import ERROR, OK, RunDir, tail
-from . import failures
-from .group import GroupStartCanceled, GroupStatus, WorkerGroup
-from .logstream import LogConfig, RankLog, failure_text
-from .ray_connect import before_disconnect
-from .spec import LaunchSpec, Rendezvous, slots_by_node
+from ....errors import LaunchConfigError, RankFailure
+from ....results import ERROR, OK, RunDir, tail
+from ... import failures
+from ...group import GroupStartCanceled, GroupStatus, WorkerGroup
+from ...logstream import LogConfig, RankLog, failure_text
+from ...spec import LaunchSpec, Rendezvous, slots_by_node
+from .connect import before_disconnect
 
 __all__ = ["RayWorkerGroup", "RayPlacement"]
 
@@ -154,7 +154,7 @@ class RayWorkerGroup(WorkerGroup):
     def start(self) -> None:
         from ray.util.placement_group import placement_group
 
-        from .ray_connect import connect, runtime_env_for
+        from .connect import connect, runtime_env_for
 
         p = self.placement
         assert self.spec.payload is not None, "a Ray worker group runs a payload"
@@ -185,7 +185,7 @@ class RayWorkerGroup(WorkerGroup):
         from ray.util.placement_group import placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from .ray_actor import RankProcess
+        from .actor import RankProcess
 
         done, _ = ray.wait([self._pg.ready()], timeout=max(wait_s, self._POLL_WAIT_S))
         if not done:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO
 
 if __package__:
-    from ..errors import GpufleetError
+    from ...errors import GpufleetError
     from .procgroup import terminate_group
 else:  # run by path on a node: the standard library and the helper beside this file only
     from procgroup import terminate_group  # type: ignore[no-redef]

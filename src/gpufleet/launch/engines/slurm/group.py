@@ -2,7 +2,7 @@
 
 Each attempt is one job of ``nodes`` nodes with ``gpus / nodes`` tasks per node (and as many GPUs per
 node, or CPUs for ``gpu_type="cpu"``); every task runs the one worker entry
-(:mod:`gpufleet.launch.slurm_node`, then :mod:`gpufleet.launch.worker`), so a rank's outcome file,
+(:mod:`gpufleet.launch.engines.slurm.node`, then :mod:`gpufleet.launch.worker`), so a rank's outcome file,
 error and traceback are those of a local rank. The caller (a script or notebook on the login node)
 reads the outcome files from the run folder, which must be on storage the nodes share, and streams
 each rank's output from its ``rank-R.stream`` into ``rank-R.log`` with the ``[rank R]`` prefix
@@ -20,16 +20,16 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from ..errors import LaunchConfigError, RankFailure
-from ..results import ERROR, OK, RunDir, read_outcome
-from . import failures
-from .group import GroupStartCanceled, GroupStatus, WorkerGroup
-from .logstream import LogConfig, RankLog
-from .progress import PROGRESS_INTERVAL_ENV, read_progress
-from .slurm_job import (
+from ....errors import LaunchConfigError, RankFailure
+from ....results import ERROR, OK, RunDir, read_outcome
+from ... import failures
+from ...group import GroupStartCanceled, GroupStatus, WorkerGroup
+from ...logstream import LogConfig, RankLog
+from ...progress import PROGRESS_INTERVAL_ENV, read_progress
+from ...spec import LaunchSpec, Rendezvous, package_parent
+from .job import (
     SlurmError,
     SlurmJob,
     SlurmOptions,
@@ -38,7 +38,6 @@ from .slurm_job import (
     resource_args,
     slurm_options,
 )
-from .spec import LaunchSpec, Rendezvous
 
 __all__ = ["SlurmPlacement", "SlurmWorkerGroup", "slurm_placement"]
 
@@ -139,8 +138,7 @@ class SlurmWorkerGroup(WorkerGroup):
         env.update(self.spec.node_env(0, p.tasks_per_node, Rendezvous("slurm-first-node", 0)))
         for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "RANK", "LOCAL_RANK", "SLURM_JOB_ID"):
             env.pop(key, None)  # each task's own (slurm_node), or the caller's own job's
-        package_parent = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(x for x in [package_parent, env.get("PYTHONPATH", "")] if x)
+        env["PYTHONPATH"] = os.pathsep.join(x for x in [package_parent(), env.get("PYTHONPATH", "")] if x)
         env["GPUFLEET_RUN_DIR"] = str(self.run_dir.path)
         env["TORCHELASTIC_RUN_ID"] = self.run_id
         if p.use_gpus:
@@ -275,7 +273,7 @@ class SlurmWorkerGroup(WorkerGroup):
         Only once every rank's stack handler is in place (all progress files exist): before that the
         signal would end a rank.
         """
-        from .progress import STACKS_SIGNAL
+        from ...progress import STACKS_SIGNAL
 
         job, n, folder = self.job, self.placement.world_size, self.run_dir.path
         if job is None or not all((folder / f"progress-{r}.json").exists() for r in range(n)):

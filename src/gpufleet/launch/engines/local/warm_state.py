@@ -1,6 +1,6 @@
 """What one call may change in a warm rank's process, captured before it and put back after it.
 
-A warm rank (:mod:`gpufleet.launch.warm_worker`) must start every call from the state a cold
+A warm rank (:mod:`gpufleet.launch.engines.local.warm_worker`) must start every call from the state a cold
 rank has. :class:`ColdState` is taken once, when the rank starts (torch imported, nothing of a
 call run yet); :meth:`ColdState.restore` runs after each call and puts back what can be put back
 cheaply:
@@ -143,7 +143,7 @@ def _stop_children() -> list[str]:
         return []
     if not children:
         return []
-    from .proctree import stop_tree
+    from ...proctree import stop_tree
 
     stop_tree([c.pid for c in children], 1.0)
     for c in children:

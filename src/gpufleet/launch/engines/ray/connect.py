@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import LaunchConfigError
+from ....errors import LaunchConfigError
+from ...spec import package_dir
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def _code_paths(call_bytes: bytes) -> list[str]:
     """Local code the call needs on the workers: gpufleet itself and the function's package."""
     import cloudpickle
 
-    paths = [str(Path(__file__).resolve().parents[1])]  # the gpufleet package
+    paths = [str(package_dir())]
     try:
         func, _, _ = cloudpickle.loads(call_bytes)
     except Exception:  # the workers report it with the rank's traceback
