@@ -120,3 +120,12 @@ def test_no_import_cycle_runs_when_a_module_is_imported() -> None:
         if node not in state:
             visit(node)
     assert cycles == []
+
+
+def test_the_ranks_find_the_package_where_it_is_installed() -> None:
+    """A rank's PYTHONPATH and a Ray job's uploaded module are the installed package, from any engine's depth."""
+    import gpufleet
+    from gpufleet.launch.spec import package_dir, package_parent
+
+    assert package_dir() == Path(gpufleet.__file__).resolve().parent
+    assert (Path(package_parent()) / "gpufleet" / "__init__.py").is_file()
