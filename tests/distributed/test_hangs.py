@@ -113,13 +113,18 @@ def _long_phases_and_a_busy_rank(root: str) -> str:
         if rank == 0:
             time.sleep(5)  # a long evaluation
         dist.barrier()
-    steps(2)
-    if rank == 1:  # computes until the watchdog has said so (or 60 s), while rank 0 waits in the barrier
+    # steps enough for the watchdog to learn their pace after the section (it reads the ranks'
+    # progress once a second, and skips the first step after a section): a loaded machine once
+    # left it nothing learned after two steps, and then only hang_timeout would have spoken
+    steps(8)
+    # rank 1 computes until the watchdog has said so, while rank 0 waits in the barrier; the bound
+    # (200 s) is only a backstop: the watchdog speaks after twice the slowest step it saw
+    if rank == 1:
         note = Path(os.environ["GPUFLEET_RUN_DIR"]) / "watchdog.json"
         t0, x = time.monotonic(), np.random.rand(200, 200)
         # Until the watchdog's busy note (not any earlier note that merely says "(busy)"); one line,
         # so that a stack sampled in the loop's test or in its work is on the BUSY line either way.
-        while time.monotonic() - t0 < 60 and "busy in its own code" not in (note.read_text() if note.exists() else ""): x = np.tanh(x @ x)  # BUSY numpy  # noqa: E701, E501
+        while time.monotonic() - t0 < 200 and "busy in its own code" not in (note.read_text() if note.exists() else ""): x = np.tanh(x @ x)  # BUSY numpy  # noqa: E701, E501
     dist.barrier()
     steps(2)
 
