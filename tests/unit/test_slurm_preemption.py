@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from gpufleet.launch.engines.base import Unit
 from gpufleet.launch.engines.slurm.job import CANCELED_FILE, PREEMPTED_FILE, JobState
-from gpufleet.workload.nodes import NodeSpec
 from gpufleet.workload.schema import WorkloadConfig
 from gpufleet.workload.slurm_executor import PREEMPTED_EXIT_CODE, SlurmExecutor, SlurmNodeProcess
 
@@ -69,7 +69,7 @@ def _attempt(tmp_path: Path, state: JobState) -> tuple[SlurmExecutor, FakeJob, l
     ex.folder = tmp_path
     job = FakeJob(tmp_path, state)
     ex.job = job  # type: ignore[assignment]
-    nodes = [SlurmNodeProcess(ex, NodeSpec(r, "true", {}, str(tmp_path), str(tmp_path / f"node-{r}.log"))) for r in (0, 1)]
+    nodes = [SlurmNodeProcess(ex, Unit(r, {}, str(tmp_path), command="true", log_path=str(tmp_path / f"node-{r}.log"))) for r in (0, 1)]
     return ex, job, nodes
 
 

@@ -1,20 +1,41 @@
-"""Which node executor a workload gets: local (leasing its GPUs first) for one node here, Slurm or Ray for a cluster."""
+"""Which engine a workload gets: the local one (leasing its GPUs first) for one node here, Slurm or Ray for a cluster."""
 
 from __future__ import annotations
 
 import importlib
+import os
 
-from .leasing import local_executor
-from .nodes import RAY_EXECUTOR_MODULE, ExecutorUnavailableError, NodeExecutor, needs_cluster
+from ..launch.engines.base import Engine
+from ..launch.engines.local.engine import LocalEngine
+from ..launch.leasing.leases import GpuRequest
+from ..launch.proctree import RUN_ID_ENV
+from .nodes import RAY_EXECUTOR_MODULE, ExecutorUnavailableError, needs_cluster
 from .schema import WorkloadConfig
 
-__all__ = ["create_executor", "check_executor_available"]
+__all__ = ["create_executor", "check_executor_available", "local_engine"]
 
 
-def create_executor(config: WorkloadConfig) -> NodeExecutor:
-    """The executor for a workload: local for one node here, Ray for a cluster."""
+def local_engine(config: WorkloadConfig) -> LocalEngine:
+    """The engine of a single-node workload: the local one, leasing the node's GPUs before each attempt.
+
+    A GPU workload waits for ``compute.num_accelerators`` free GPUs like a call does: up to its
+    ``timeout_minutes``, without a limit when it has none, and ``gpufleet cancel`` ends the wait
+    (the supervisor's log says at once who holds them). Its command sees only the leased GPUs; the
+    supervisor holds the lease until the attempt's processes are stopped, and the node command's
+    processes inherit it.
+    """
+    c = config.compute
+    run_id = os.environ.get(RUN_ID_ENV, "workload")
+    if c.gpu_type is None:
+        return LocalEngine(run_id, holder="workload")
+    wait = config.timeout_minutes * 60 if config.timeout_minutes else None
+    return LocalEngine(run_id, GpuRequest(count=c.per_node, wait_s=wait), holder="workload", report_after_s=0.0)
+
+
+def create_executor(config: WorkloadConfig) -> Engine:
+    """The engine of a workload: the local one for one node here, Slurm or Ray for a cluster."""
     if not needs_cluster(config):
-        return local_executor(config)  # a GPU workload leases its GPUs first
+        return local_engine(config)  # a GPU workload leases its GPUs first
     if config.compute.cluster == "slurm":
         from .slurm_executor import create_executor as slurm_executor
 

@@ -1,40 +1,35 @@
-"""A workload's node commands: where they run (node executors) and one attempt of them as a worker group.
+"""A workload's node commands: the node-command payload of an engine, one attempt of them as a worker group.
 
-A :class:`NodeExecutor` knows how to start one node's command somewhere:
-:class:`LocalExecutor` runs it on this machine under the node guard in its own process group.
-The multi-node executor (on a Ray cluster) lives in ``gpufleet.workload.ray_executor`` and
-exposes ``create_executor(config: WorkloadConfig) -> NodeExecutor``; it is used when a workload
-spans several nodes or names ``compute.cluster``.
+Where the commands run is an engine's (:mod:`gpufleet.launch.engines.base`): the local engine
+(:class:`~gpufleet.launch.engines.local.engine.LocalEngine`) for one node here, the same one that
+runs a call's ranks; the Ray and Slurm node executors (``gpufleet.workload.ray_executor``,
+``gpufleet.workload.slurm_executor``) for a cluster. :mod:`gpufleet.workload.executors` chooses.
 
 :class:`WorkloadNodeGroup` is the worker group (:mod:`gpufleet.launch.group`) of one attempt:
-its "ranks" are the nodes that run the command, each ending as a result (exit code 0) or a
-failure (any other exit code); the controller decides the rest.
+its "ranks" are the nodes that run the command, each a :class:`~gpufleet.launch.engines.base.Unit`
+whose ``command`` is the node script, ending as a result (exit code 0) or a failure (any other
+exit code); the controller decides the rest.
 """
 
 from __future__ import annotations
 
-import abc
 import pickle
 import re
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import GpufleetError, RankFailure
 from ..launch import failures
+from ..launch.engines.base import GRACE_PERIOD_S, Engine, Proc, Unit
 from ..launch.group import GroupStartCanceled, GroupStatus, WorkerGroup
-from ..launch.ports import find_free_port
-from ..launch.proctree import RUN_ID_ENV, popen_in_own_group, stop_tree
 from ..launch.spec import LaunchSpec, Rendezvous, default_threads
 from ..results import OK, RunDir
 from .schema import WorkloadConfig
 
-GRACE_PERIOD_S = 5.0
+__all__ = ["GRACE_PERIOD_S", "ExecutorUnavailableError", "WorkloadNodeGroup", "failed_line", "needs_cluster",
+           "node_script"]  # fmt: skip
 #: Put before a workload's ``command`` (one line, so the command's own lines keep their numbers
 #: less one): fail fast (``set -eEo pipefail``; ``set +e`` in the command opts out), and name the
 #: line that made the shell exit in the node's log (:data:`FAILED_LINE_RE`, read by :func:`failed_line`).
@@ -45,128 +40,11 @@ COMMAND_PRELUDE = (
     "\n"
 )
 FAILED_LINE_RE = re.compile(r"^gpufleet: the command failed at line (\d+) \(exit code (\d+)(, in a subshell)?\): ")
-#: Grace of the stop that follows an attempt (whatever its commands left running).
-CLEANUP_GRACE_S = 1.0
 RAY_EXECUTOR_MODULE = "gpufleet.workload.ray_executor"
 
 
 class ExecutorUnavailableError(GpufleetError, RuntimeError):
     """The workload needs an executor (multi-node / Ray) that this installation lacks."""
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    """What one node runs: the bash command, its environment, folder and log file."""
-
-    node_rank: int
-    command: str
-    env: dict[str, str]
-    cwd: str
-    log_path: str
-
-
-class NodeProcess(abc.ABC):
-    """Handle of one node's running command."""
-
-    node_rank: int
-
-    @abc.abstractmethod
-    def poll(self) -> int | None:
-        """The command's exit code, or None while it runs."""
-
-    @abc.abstractmethod
-    def cancel(self, grace_period_s: float = GRACE_PERIOD_S) -> None:
-        """Stop the command and everything it started (TERM, grace period, KILL)."""
-
-    @abc.abstractmethod
-    def cleanup(self) -> None:
-        """Once the attempt is over: stop whatever the command left running, release the node."""
-
-    @abc.abstractmethod
-    def describe(self) -> dict[str, Any]:
-        """What the run store records about the node (``node_rank``, ``log_path``, pids, host)."""
-
-
-class NodeExecutor(abc.ABC):
-    """Starts the per-node commands of one attempt.
-
-    ``cancel_event`` (the attempt's worker group sets it to its ``abort`` event) is checked by
-    waits that can last long, such as waiting for a cluster to have room; they raise
-    :class:`~gpufleet.launch.group.GroupStartCanceled` once it is set.
-    """
-
-    cancel_event: threading.Event | None = None
-
-    def canceled(self) -> bool:
-        """Whether the run was canceled (a long wait should give up)."""
-        return self.cancel_event is not None and self.cancel_event.is_set()
-
-    @abc.abstractmethod
-    def rendezvous(self, num_nodes: int, code_dir: str | None = None) -> tuple[str, int]:
-        """``(MASTER_ADDR, MASTER_PORT)`` for an attempt: node 0's address and a free port.
-
-        ``code_dir`` is the run's code snapshot, for executors that bring it to other machines.
-        """
-
-    @abc.abstractmethod
-    def start(self, node: NodeSpec) -> NodeProcess:
-        """Start one node's command."""
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release what the executor holds (connections, placement groups)."""
-
-
-class LocalNodeProcess(NodeProcess):
-    """A node command on this machine, led by ``gpufleet.launch.node.guard`` in its own group.
-
-    Stopping it reaches the guard's process group, its descendants and every process that
-    carries the run's id (a child that called ``setsid`` left both the group and, once its
-    parent exited, the tree).
-    """
-
-    def __init__(self, spec: NodeSpec, pass_fds: tuple[int, ...] = ()) -> None:
-        self.node_rank = spec.node_rank
-        self.spec = spec
-        self.run_id = spec.env.get(RUN_ID_ENV)
-        log = open(spec.log_path, "ab", buffering=0)  # noqa: SIM115 - the child holds it
-        try:
-            self.popen = popen_in_own_group(
-                [sys.executable, "-m", "gpufleet.launch.node.guard", "--", "bash", "-c", spec.command],
-                spec.env, spec.cwd, stdout=log, stderr=subprocess.STDOUT, pass_fds=pass_fds,
-            )  # fmt: skip
-        finally:
-            log.close()
-        self.pgid = self.popen.pid
-
-    def poll(self) -> int | None:
-        return self.popen.poll()
-
-    def cancel(self, grace_period_s: float = GRACE_PERIOD_S) -> None:
-        stop_tree([self.popen], grace_period_s, run_id=self.run_id)
-
-    def cleanup(self) -> None:
-        stop_tree([self.popen], CLEANUP_GRACE_S, run_id=self.run_id)
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "node_rank": self.node_rank,
-            "host": "localhost",
-            "pid": self.popen.pid,
-            "pgid": self.pgid,
-            "log_path": self.spec.log_path,
-        }
-
-
-class LocalExecutor(NodeExecutor):
-    """Runs the (single) node of a workload on this machine."""
-
-    def rendezvous(self, num_nodes: int, code_dir: str | None = None) -> tuple[str, int]:
-        if num_nodes != 1:
-            raise ExecutorUnavailableError("the local executor runs exactly one node")
-        return "127.0.0.1", find_free_port()
-
-    def start(self, node: NodeSpec) -> NodeProcess:
-        return LocalNodeProcess(node)
 
 
 def node_script(command: str) -> str:
@@ -209,7 +87,7 @@ def needs_cluster(config: WorkloadConfig) -> bool:
 
 
 class WorkloadNodeGroup(WorkerGroup):
-    """One attempt's node commands, started through a :class:`NodeExecutor`.
+    """One attempt's node commands, started through an engine (:class:`~gpufleet.launch.engines.base.Engine`).
 
     Its ranks are the nodes that run the command (every node, or node 0 alone for a Ray
     driver). Each node's environment is the inherited one, the launch spec's node contract
@@ -226,7 +104,7 @@ class WorkloadNodeGroup(WorkerGroup):
         self,
         spec: LaunchSpec,
         run_dir: RunDir,
-        executor: NodeExecutor,
+        executor: Engine,
         command: str,
         cwd: str,
         num_command_nodes: int,
@@ -240,7 +118,7 @@ class WorkloadNodeGroup(WorkerGroup):
         self.local_world_size = local_world_size
         self._num_command_nodes = num_command_nodes
         self._inherited_env = dict(inherited_env)
-        self.nodes: list[NodeProcess] = []
+        self.nodes: list[Proc] = []
         self.rendezvous: Rendezvous | None = None
         self.start_canceled: str | None = None
         self._results: dict[int, dict[str, Any]] = {}
@@ -289,8 +167,8 @@ class WorkloadNodeGroup(WorkerGroup):
         self.rendezvous = Rendezvous(addr, port)
         for rank in range(self._num_command_nodes):
             env = self.node_env(rank, self.rendezvous)
-            node = NodeSpec(rank, node_script(self.command), env, self.cwd, str(self.log_path(rank)))
-            self.nodes.append(self.executor.start(node))
+            unit = Unit(rank, env, self.cwd, command=node_script(self.command), log_path=str(self.log_path(rank)))
+            self.nodes.append(self.executor.start(unit))
 
     def _known(self, rank: int) -> bool:
         return rank in self._results or rank in self._failures
@@ -299,7 +177,7 @@ class WorkloadNodeGroup(WorkerGroup):
         """Record the nodes that ended since the last look; True if any did."""
         news = False
         for node in self.nodes:
-            rank = node.node_rank
+            rank = node.index
             if self._known(rank):
                 continue
             code = node.poll()
@@ -351,9 +229,7 @@ class WorkloadNodeGroup(WorkerGroup):
         """Stop every node still running; ``dump_stacks`` is ignored (a node's command is bash)."""
         self._collect()
         t_stop = time.time()
-        for node in self.nodes:
-            if not self._known(node.node_rank):
-                node.cancel(grace_period_s)
+        self.executor.stop([n for n in self.nodes if not self._known(n.index)], grace_period_s)
         for rank in range(self.num_ranks):
             if not self._known(rank):
                 self._failures[rank] = failures.stopped(rank, reason, t_stop, self.log_path(rank))
@@ -363,5 +239,8 @@ class WorkloadNodeGroup(WorkerGroup):
         if self._closed:
             return
         self._closed = True
-        for node in self.nodes:
-            node.cleanup()
+        try:
+            for node in self.nodes:
+                node.cleanup()
+        finally:
+            self.executor.release([n.pid for n in self.nodes if n.pid is not None])  # a lease goes back

@@ -28,9 +28,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import LaunchConfigError, SchedulingTimeoutError
+from ..launch.engines.base import GRACE_PERIOD_S, Engine, Proc, Unit
 from ..launch.group import GroupStartCanceled
 from ..launch.node.envs import DEPENDENCIES_ENV
-from .nodes import GRACE_PERIOD_S, NodeExecutor, NodeProcess, NodeSpec
 from .schema import WorkloadConfig
 
 logger = logging.getLogger(__name__)
@@ -58,11 +58,11 @@ def create_executor(config: WorkloadConfig) -> RayExecutor:
     return RayExecutor(config, address)
 
 
-class RayNodeProcess(NodeProcess):
+class RayNodeProcess(Proc):
     """One node's command, running in a :class:`~gpufleet.launch.engines.ray.actor.NodeCommand`."""
 
-    def __init__(self, ray: Any, actor: Any, spec: NodeSpec, node: dict[str, Any]) -> None:
-        self.node_rank = spec.node_rank
+    def __init__(self, ray: Any, actor: Any, spec: Unit, node: dict[str, Any]) -> None:
+        self.index = spec.index
         self._ray = ray
         self._actor = actor
         self._spec = spec
@@ -84,7 +84,7 @@ class RayNodeProcess(NodeProcess):
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         if not self._log.closed:
             self._log.write(
-                f"gpufleet: node {self.node_rank} ({self._node.get('ip')}) was lost: "
+                f"gpufleet: node {self.index} ({self._node.get('ip')}) was lost: "
                 f"{type(error).__name__}: {first[:300]}\n".encode()
             )
         self._code = LOST_EXIT_CODE
@@ -132,7 +132,7 @@ class RayNodeProcess(NodeProcess):
 
     def describe(self) -> dict[str, Any]:
         return {
-            "node_rank": self.node_rank,
+            "node_rank": self.index,
             "host": self._node.get("hostname") or self._node.get("ip"),
             "ip": self._node.get("ip"),
             "ray_node_id": self._node.get("node_id"),
@@ -141,7 +141,7 @@ class RayNodeProcess(NodeProcess):
         }
 
 
-class RayExecutor(NodeExecutor):
+class RayExecutor(Engine):
     """Starts each node's command of an attempt in an actor pinned to a bundle of its own."""
 
     def __init__(self, config: WorkloadConfig, address: str) -> None:
@@ -239,9 +239,9 @@ class RayExecutor(NodeExecutor):
         port = ray.get(self._actors[0].free_port.remote())
         return self._nodes[0]["ip"], port
 
-    def start(self, node: NodeSpec) -> NodeProcess:
+    def start(self, node: Unit) -> Proc:
         ray = self._ray
-        rank = node.node_rank
+        rank = node.index
         # The node keeps its own home, shell and PATH; the supervisor's additions travel.
         env = {k: v for k, v in node.env.items() if k not in _NODE_OWN}
         supervisor_bin = node.env.get("PATH", "").split(os.pathsep)[0]

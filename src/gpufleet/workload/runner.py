@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..launch.controller import Controller, ControllerCallback
+from ..launch.engines.base import Engine
 from ..launch.policy import RetryPolicy
 from ..launch.spec import LaunchSpec
 from ..private import UnsafeStateError, private_dir, private_file_opener
@@ -52,18 +53,7 @@ from ..states import CANCELED, FAILED, RunState
 from .attempts import WorkloadKind, WorkloadTracking, workload_document
 from .executors import create_executor
 from .handoff import Handoff, HandoffMissing
-from .nodes import (  # noqa: F401 - re-exported: the names this module had before nodes.py
-    GRACE_PERIOD_S,
-    RAY_EXECUTOR_MODULE,
-    ExecutorUnavailableError,
-    LocalExecutor,
-    LocalNodeProcess,
-    NodeExecutor,
-    NodeProcess,
-    NodeSpec,
-    WorkloadNodeGroup,
-    needs_cluster,
-)
+from .nodes import GRACE_PERIOD_S, WorkloadNodeGroup, needs_cluster
 from .schema import WorkloadConfig
 
 logger = logging.getLogger(__name__)
@@ -313,7 +303,7 @@ class Supervisor:
         hang = self.config.hang_timeout_minutes
         return {**watchdog_env(hang * 60 if hang else None), **faults_env(parse_faults(self.config.faults), attempt)}
 
-    def make_group(self, executor: NodeExecutor, attempt: int, bin_dir: str) -> WorkloadNodeGroup:
+    def make_group(self, executor: Engine, attempt: int, bin_dir: str) -> WorkloadNodeGroup:
         """The (not yet started) node group of attempt ``attempt``."""
         log_dir = self.run_dir / "attempts" / str(attempt)
         log_dir.mkdir(parents=True, exist_ok=True)

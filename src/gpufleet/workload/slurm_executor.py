@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..launch.engines.base import GRACE_PERIOD_S, Engine, Proc, Unit
 from ..launch.engines.slurm.job import (
     CANCELED_FILE,
     PREEMPT_FILE_ENV,
@@ -43,7 +44,6 @@ from ..launch.engines.slurm.job import (
 )
 from ..launch.group import GroupStartCanceled
 from ..results import write_atomic
-from .nodes import GRACE_PERIOD_S, NodeExecutor, NodeProcess, NodeSpec
 from .schema import WorkloadConfig
 
 __all__ = ["SlurmExecutor", "create_executor", "LOST_EXIT_CODE", "PREEMPTED_EXIT_CODE"]
@@ -83,11 +83,11 @@ def options_of(config: WorkloadConfig) -> SlurmOptions:
     return SlurmOptions(s.partition, s.account, s.qos, s.constraint, s.time, s.signal_before_s, tuple(s.sbatch_args))
 
 
-class SlurmNodeProcess(NodeProcess):
+class SlurmNodeProcess(Proc):
     """One node's command in the attempt's job: its exit file, or the job's end, says how it ended."""
 
-    def __init__(self, executor: SlurmExecutor, spec: NodeSpec) -> None:
-        self.node_rank = spec.node_rank
+    def __init__(self, executor: SlurmExecutor, spec: Unit) -> None:
+        self.index = spec.index
         self._executor = executor
         self._spec = spec
         self._code: int | None = None
@@ -111,7 +111,7 @@ class SlurmNodeProcess(NodeProcess):
             self._code = PREEMPTED_EXIT_CODE
             self._note(f"{ex.preempted}; this attempt ended there and the next one resumes from the newest checkpoint")
             return self._code
-        code = ex.exit_code(self.node_rank)
+        code = ex.exit_code(self.index)
         if code is not None:
             if ex.preemption(max_age_s=0.0):  # a preempted job's nodes end too, with 0 or with the signal's code
                 return None
@@ -126,7 +126,7 @@ class SlurmNodeProcess(NodeProcess):
             return None
         self._code = LOST_EXIT_CODE
         why = f" ({state.reason})" if state.reason and state.reason != "None" else ""
-        self._note(f"Slurm job {job.job_id} ended {state.state}{why} before node {self.node_rank}'s command "
+        self._note(f"Slurm job {job.job_id} ended {state.state}{why} before node {self.index}'s command "
                    f"reported an exit code (on nodes {state.nodes or '?'}): the node or the job was lost; "
                    f"Slurm's messages are in {ex.folder / 'slurm-batch.log'}")  # fmt: skip
         return self._code
@@ -141,14 +141,14 @@ class SlurmNodeProcess(NodeProcess):
         job = self._executor.job
         nodes = self._executor.node_names()
         return {
-            "node_rank": self.node_rank,
-            "host": nodes[self.node_rank] if self.node_rank < len(nodes) else None,
+            "node_rank": self.index,
+            "host": nodes[self.index] if self.index < len(nodes) else None,
             "slurm_job_id": job.job_id if job else None,
             "log_path": self._spec.log_path,
         }
 
 
-class SlurmExecutor(NodeExecutor):
+class SlurmExecutor(Engine):
     """Submits each attempt's node commands as one Slurm job of ``compute.num_nodes`` nodes."""
 
     def __init__(self, config: WorkloadConfig) -> None:
@@ -168,12 +168,12 @@ class SlurmExecutor(NodeExecutor):
         self._canceling = False
         return FIRST_NODE, 0  # the batch step on node 0 sets both (its address, a free port there)
 
-    def start(self, node: NodeSpec) -> NodeProcess:
-        if node.node_rank == 0:
+    def start(self, node: Unit) -> Proc:
+        if node.index == 0:
             self._submit(node)
         return SlurmNodeProcess(self, node)
 
-    def _submit(self, node: NodeSpec) -> None:
+    def _submit(self, node: Unit) -> None:
         if self.canceled():
             raise GroupStartCanceled("before its Slurm job was submitted")
         self.folder = Path(node.log_path).parent

@@ -1,60 +1,18 @@
-"""What a local call asks of the GPU leases (:mod:`gpufleet.launch.leasing.leases`), and a local worker group's lease.
+"""What a local call asks of the GPU leases (:mod:`gpufleet.launch.leasing.leases`).
 
 ``gpus`` (a count, a list of GPU indices, or None for every free GPU) and ``gpu_wait`` become a
-:class:`~gpufleet.launch.leasing.leases.GpuRequest`; :func:`lease_for_group` takes it when a
-:class:`~gpufleet.launch.engines.local.group.LocalWorkerGroup` starts, and :func:`release_group_lease` gives
-it back once its ranks have exited.
+:class:`~gpufleet.launch.leasing.leases.GpuRequest`; the local engine
+(:class:`~gpufleet.launch.engines.local.engine.LocalEngine`) takes it when a call's ranks are
+placed, and gives it back once they have exited.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import sys
 from typing import Any
 
 from ...errors import LaunchConfigError
 from ..kernel import interactive
-from .gpu_processes import wait_off_gpus
-from .leases import GpuRequest, Holder, acquire
-
-
-def lease_for_group(group: Any, kind: str = "call") -> None:
-    """Lease the GPUs of a local worker group's ``placement.gpu_request`` before its ranks start.
-
-    Waits (telling stderr who holds them) until they are free, the group's ``abort`` is set
-    (:class:`~gpufleet.launch.group.GroupStartCanceled`) or the request's wait ends
-    (:class:`GPUUnavailableError`). The group's placement then names the leased GPUs, and with
-    ``count=None`` its world size is the number of GPUs it got.
-    """
-    placement = group.placement
-    request = getattr(placement, "gpu_request", None)
-    if not placement.use_gpus or request is None or group.lease is not None:
-        return
-    from ..group import GroupStartCanceled
-
-    def say(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
-    lease = acquire(request, Holder(group.run_id, kind), abort=group.abort, on_wait=say,
-                    canceled=lambda: GroupStartCanceled("canceled while it waited for GPUs"))  # fmt: skip
-    group.lease = lease
-    group.placement = dataclasses.replace(placement, gpu_indices=lease.indices)
-    if len(lease.indices) != group.spec.world_size:
-        group.spec = dataclasses.replace(group.spec, world_size=len(lease.indices))
-
-
-def release_group_lease(group: Any) -> None:
-    """Give back a local worker group's GPUs (its ranks are gone); safe to call twice.
-
-    First waits (up to a few seconds) until NVML no longer lists the ranks on those GPUs: the
-    driver frees an exited process's memory a moment after it is gone, and the next run should
-    find the GPU empty rather than a rank of this run "outside gpufleet".
-    """
-    lease = getattr(group, "lease", None)
-    if lease is not None and not lease.released:
-        wait_off_gpus(getattr(group, "pids", []), lease.gpus)
-        lease.release()
-
+from .leases import GpuRequest
 
 # ------------------------------------------------------------------ the settings of a call
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -17,11 +17,9 @@ from ....errors import RankFailure
 from ....results import ERROR, OK, RunDir, read_outcome
 from ... import failures
 from ...group import GroupStatus, WorkerGroup
-from ...leasing.gpu_requests import lease_for_group, release_group_lease
 from ...leasing.leases import GpuLease, GpuRequest
 from ...logstream import LogConfig, RankLog, failure_text
-from ...ports import find_free_port
-from ...proctree import popen_in_own_group, run_processes, stop_tree
+from ...proctree import run_processes
 from ...progress import PROGRESS_INTERVAL_ENV, read_progress, request_stacks
 from ...spec import (
     LATE_ENV_VAR,
@@ -33,6 +31,8 @@ from ...spec import (
     package_parent,
 )
 from ...worker import LOOPBACK_STORE_ENV
+from ..base import Unit
+from .engine import LocalEngine
 
 __all__ = ["LocalPlacement", "LocalWorkerGroup"]
 
@@ -82,8 +82,10 @@ class _Pump:
 class LocalWorkerGroup(WorkerGroup):
     """The ranks of one attempt as child processes of this one.
 
-    Each rank runs ``python -m gpufleet.launch.worker RUN_DIR RANK`` in its own process group;
-    its outcome file in the run directory says how it ended, its exit code says how it died.
+    Each rank is a unit of the local engine (:class:`~gpufleet.launch.engines.local.engine.LocalEngine`,
+    which leases the GPUs and starts ``python -m gpufleet.launch.worker RUN_DIR RANK`` in its own
+    process group); its outcome file in the run directory says how it ended, its exit code says
+    how it died.
     """
 
     takes_late_env = True  # each rank waits for the file before it loads the call
@@ -102,11 +104,28 @@ class LocalWorkerGroup(WorkerGroup):
         self._progress: dict[int, dict[str, Any]] = {}
         self._progress_read = 0.0
         self.rendezvous: Rendezvous | None = None
-        self.lease: GpuLease | None = None
+        self.engine = LocalEngine(spec.run_id, placement.gpu_request if placement.use_gpus else None,
+                                  placement.gpu_indices if placement.use_gpus else (), holder="call")  # fmt: skip
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+    @property
+    def lease(self) -> GpuLease | None:
+        """The GPUs this group's ranks hold (None on the CPU, and once given back)."""
+        return self.engine.lease
+
+    def _place(self) -> Rendezvous:
+        """Lease the GPUs (waiting for them); the placement then names them, and with ``gpus=None``
+        the world size is the number of GPUs the lease got."""
+        self.engine.cancel_event = self.abort
+        rendezvous = Rendezvous(*self.engine.rendezvous(1))
+        if self.engine.lease is not None:
+            self.placement = dataclasses.replace(self.placement, gpu_indices=self.engine.gpu_indices)
+            if len(self.engine.gpu_indices) != self.spec.world_size:
+                self.spec = dataclasses.replace(self.spec, world_size=len(self.engine.gpu_indices))
+        return rendezvous
 
     # -- starting -------------------------------------------------------------------------
     def _env(self, rank: int, rendezvous: Rendezvous) -> dict[str, str]:
@@ -118,9 +137,7 @@ class LocalWorkerGroup(WorkerGroup):
         env[PARENT_PID_ENV] = str(os.getpid())
         if self.env_deferred:
             env[LATE_ENV_VAR] = str(self.run_dir.late_env)
-        if self.placement.use_gpus:
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # same order as NVML's indices
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.placement.gpu_indices)
+        env.update(self.engine.gpu_env())  # the placed GPUs only, in NVML's order
         env.update(default_threads(env, spec.world_size))
         if self.placement.master_addr == "127.0.0.1":
             # The rendezvous store listens on loopback only (rank 0 hosts it for the others, as
@@ -133,21 +150,16 @@ class LocalWorkerGroup(WorkerGroup):
 
     def start(self) -> None:
         assert self.spec.payload is not None, "a local worker group runs a payload"
-        lease_for_group(self)  # waits for free GPUs; the ranks see only the leased ones
+        self.rendezvous = self._place()  # waits for free GPUs; the ranks see only the leased ones
         self.spec.payload.write(self.run_dir.payload)
-        addr = self.placement.master_addr
-        self.rendezvous = Rendezvous(addr, find_free_port(addr))
         try:
             for rank in range(self.spec.world_size):
-                proc = popen_in_own_group(
-                    [sys.executable, "-m", "gpufleet.launch.worker", str(self.run_dir.path), str(rank)],
-                    env=self._env(rank, self.rendezvous),
-                    pass_fds=self.lease.fds if self.lease is not None else (),  # held until every rank is gone
-                )
+                unit = Unit(rank, self._env(rank, self.rendezvous), run_dir=str(self.run_dir.path))
+                proc = self.engine.start(unit).popen
                 self._procs.append(proc)
                 self._pumps.append(_Pump(proc, RankLog(rank, self.run_dir.log(rank), self._logs)))
         except BaseException:
-            stop_tree(self._procs, 0.5, self.run_id)
+            self.engine.stop_processes(self._procs, 0.5)
             raise
         logger.debug("run %s: %d ranks on port %d", self.run_id, len(self._procs), self.rendezvous.port)
 
@@ -234,9 +246,9 @@ class LocalWorkerGroup(WorkerGroup):
             self._wait_for_quiet_logs(3.0)
         t_stop = time.time()
         try:
-            stop_tree(self._procs, grace_period_s, self.run_id)
+            self.engine.stop_processes(self._procs, grace_period_s)
         except KeyboardInterrupt:  # a second Ctrl-C: no more grace
-            stop_tree(self._procs, 0.0, self.run_id)
+            self.engine.stop_processes(self._procs, 0.0)
             raise
         finally:
             for rank, proc in enumerate(self._procs):
@@ -275,7 +287,7 @@ class LocalWorkerGroup(WorkerGroup):
         else:
             for pump in self._pumps:
                 pump.close()
-            release_group_lease(self)
+            self.engine.release(self.pids)
         for path in [self.run_dir.payload] + [self.run_dir.outcome(r) for r in range(len(self._procs))]:
             try:
                 path.unlink()
@@ -289,10 +301,10 @@ class LocalWorkerGroup(WorkerGroup):
                 time.sleep(0.02)
             if any(p.poll() is None for p in self._procs) or run_processes(self.run_id):
                 logger.warning("run %s: stopping processes still running after every rank returned", self.run_id)
-                stop_tree(self._procs, self._grace_period_s, self.run_id)
-            release_group_lease(self)  # the ranks are gone: a waiting run takes the GPUs now
+                self.engine.stop_processes(self._procs, self._grace_period_s)
+            self.engine.release(self.pids)  # the ranks are gone: a waiting run takes the GPUs now
             for pump in self._pumps:
                 pump.close()
         finally:
-            release_group_lease(self)
+            self.engine.release(self.pids)
             _reapers.discard(threading.current_thread())

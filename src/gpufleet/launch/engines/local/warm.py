@@ -46,10 +46,8 @@ from ....results import RunDir
 from ... import failures
 from ...group import GroupStatus
 from ...kernel import interactive
-from ...leasing.gpu_requests import lease_for_group, release_group_lease
 from ...leasing.leases import Holder
 from ...logstream import LogConfig, RankLog
-from ...ports import find_free_port
 from ...proctree import stop_tree
 from ...spec import LaunchSpec, Rendezvous
 from .group import LocalPlacement, LocalWorkerGroup
@@ -350,9 +348,7 @@ class WarmWorkerGroup(LocalWorkerGroup):
     def _stacks_dir(self) -> Path:
         return self.warm.control_dir if self.warm else self.run_dir.path
 
-    def _spawn(self) -> WarmRanks:
-        addr = self.placement.master_addr
-        rendezvous = Rendezvous(addr, find_free_port(addr))
+    def _spawn(self, rendezvous: Rendezvous) -> WarmRanks:
         sweep_control_dirs(self.run_dir.path.parent)
         control = Path(tempfile.mkdtemp(prefix=_CONTROL_PREFIX, dir=self.run_dir.path.parent))
         owner = os.open(control / _OWNER_LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -364,7 +360,7 @@ class WarmWorkerGroup(LocalWorkerGroup):
                     [sys.executable, "-m", "gpufleet.launch.engines.local.warm_worker", str(control), str(rank)],
                     env=self._env(rank, rendezvous), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
-                    pass_fds=self.lease.fds if self.lease is not None else (),  # held while they live
+                    pass_fds=self.engine.pass_fds,  # the lease, held while they live
                 ))  # fmt: skip
         except BaseException:
             stop_tree(procs, 0.5)
@@ -387,13 +383,13 @@ class WarmWorkerGroup(LocalWorkerGroup):
             if len(ranks.procs) != self.spec.world_size:  # gpus=None: as many as were free then
                 self.spec = dataclasses.replace(self.spec, world_size=len(ranks.procs))
         else:
-            lease_for_group(self)  # new ranks lease their GPUs first; the ranks then hold the lease
+            rendezvous = self._place()  # new ranks lease their GPUs first; the ranks then hold the lease
             try:
-                ranks = self._spawn()
+                ranks = self._spawn(rendezvous)
             except BaseException:
-                release_group_lease(self)
+                self.engine.release()
                 raise
-            ranks.lease, self.lease = self.lease, None
+            ranks.lease = self.engine.take_lease()
         self.warm = ranks
         self.rendezvous = self.warm.rendezvous
         self._procs = self.warm.procs
