@@ -250,6 +250,7 @@ def test_cancelling_a_two_node_workload_stops_both_nodes(two_nodes, tmp_path: Pa
 
 def test_a_ray_driver_the_cluster_can_never_serve_gets_a_clear_error(two_nodes, tmp_path: Path, monkeypatch) -> None:
     from gpufleet.errors import LaunchConfigError, SchedulingTimeoutError
+    from gpufleet.launch.engines.ray import engine as ray_engine
     from gpufleet.workload import ray_executor
     from gpufleet.workload.schema import WorkloadConfig
 
@@ -257,7 +258,7 @@ def test_a_ray_driver_the_cluster_can_never_serve_gets_a_clear_error(two_nodes, 
         "experiment_name": "too-big", "command": "python driver.py",
         "compute": {"accelerator_type": "CPU_2", "num_accelerators": 4, "cluster": two_nodes.address, "ray_driver": True},
     })  # fmt: skip
-    monkeypatch.setattr(ray_executor, "_SCHEDULE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(ray_engine, "SCHEDULE_TIMEOUT_S", 1.0)
     executor = ray_executor.RayExecutor(config, two_nodes.address)
     started = time.monotonic()
     try:

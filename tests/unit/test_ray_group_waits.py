@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from gpufleet.launch.engines.ray import connect as ray_connect
+from gpufleet.launch.engines.ray.engine import RayEngine
 from gpufleet.launch.engines.ray.group import RayWorkerGroup
 from gpufleet.launch.group import GroupStartCanceled
 
@@ -80,9 +81,9 @@ def fake_group(fake: FakeRay, tmp_path: Any, ranks: int = 2) -> RayWorkerGroup:
     group.spec = SimpleNamespace(run_id="run-fake")
     group.run_dir = SimpleNamespace(log=lambda rank: tmp_path / f"rank-{rank}.log")
     group.abort = threading.Event()
-    group._ray = fake
-    group._actors = [FakeActor() for _ in range(ranks)]
-    group._pg = None
+    group.engine = RayEngine("127.0.0.1:1", "run-fake")
+    group.engine.ray = fake
+    group.engine.actors = [FakeActor() for _ in range(ranks)]
     group._rank_logs = []
     group._closed = False
     group._failures = {}
@@ -119,7 +120,7 @@ def test_a_start_not_answered_yet_is_not_a_lost_rank(tmp_path: Any) -> None:
         fake.answers["start-0"] = None
 
     threading.Thread(target=answer_late, daemon=True).start()
-    group._wait_for(*starts)
+    group.engine.wait_for(starts, group.abort, "ranks")
     group._record_lost_from(starts)
 
     assert sorted(group._failures) == [1]
@@ -133,7 +134,7 @@ def test_a_cancel_ends_the_wait_for_the_ranks_starts(tmp_path: Any) -> None:
 
     def wait() -> None:
         try:
-            group._wait_for("start-0", "start-1")
+            group.engine.wait_for(["start-0", "start-1"], group.abort, "ranks")
         except BaseException as e:  # noqa: BLE001 - the test reads it
             raised.append(e)
 

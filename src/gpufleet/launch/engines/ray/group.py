@@ -19,10 +19,11 @@ from typing import Any
 from ....errors import LaunchConfigError, RankFailure
 from ....results import ERROR, OK, RunDir, tail
 from ... import failures
-from ...group import GroupStartCanceled, GroupStatus, WorkerGroup
+from ...group import GroupStatus, WorkerGroup
 from ...logstream import LogConfig, RankLog, failure_text
 from ...spec import LaunchSpec, Rendezvous, slots_by_node
 from .connect import before_disconnect
+from .engine import POLL_WAIT_S, RayEngine
 
 __all__ = ["RayWorkerGroup", "RayPlacement"]
 
@@ -103,13 +104,14 @@ class RayPlacement:
 class RayWorkerGroup(WorkerGroup):
     """One attempt's ranks as Ray actors, each running the rank in a child process on its node.
 
-    ``start()`` connects, checks the request against the cluster (a wrong request raises
+    Its engine (:class:`~gpufleet.launch.engines.ray.engine.RayEngine`, the one a workload's nodes
+    run on) holds the connection, the placement group and the actors. ``start()`` connects, checks the request against the cluster (a wrong request raises
     :class:`LaunchConfigError` there) and asks for a placement group; the ranks start at the
     first :meth:`poll` that finds their bundles placed.
     """
 
     starts_at_once = False
-    _POLL_WAIT_S = 0.5
+    _POLL_WAIT_S = POLL_WAIT_S
     _UNREACHABLE_GRACE_S = 60.0
     _SCHEDULE_LOG_S = 30.0
 
@@ -119,9 +121,7 @@ class RayWorkerGroup(WorkerGroup):
         self._logs = logs
         self.rendezvous: Rendezvous | None = None
         self.node_ids: list[str] = []
-        self._ray: Any = None
-        self._pg: Any = None
-        self._actors: list[Any] = []
+        self.engine = RayEngine(placement.address, spec.run_id)
         self._rank_logs: list[RankLog] = []
         self._num_ranks = 0
         self._use_gpus = False
@@ -146,49 +146,30 @@ class RayWorkerGroup(WorkerGroup):
     @property
     def cluster_hosts(self) -> list[str]:
         """The addresses of the cluster's live nodes, once :meth:`start` has connected."""
-        if self._ray is None:
+        if self.engine.ray is None:
             return []
-        return sorted({n["NodeManagerAddress"] for n in self._ray.nodes() if n.get("Alive")})
+        return sorted({n["NodeManagerAddress"] for n in self.engine.ray.nodes() if n.get("Alive")})
 
     # -- starting -------------------------------------------------------------------------
     def start(self) -> None:
-        from ray.util.placement_group import placement_group
-
-        from .connect import connect, runtime_env_for
+        from .connect import runtime_env_for
 
         p = self.placement
         assert self.spec.payload is not None, "a Ray worker group runs a payload"
         init_kwargs = dict(p.init_kwargs)
         init_kwargs["runtime_env"] = runtime_env_for(p.init_kwargs.get("runtime_env"), self.spec.payload.call)
-        self._ray = connect(p.address, init_kwargs)
-        bundles, self._use_gpus = _bundles(self._ray, p.gpus, p.gpu_type)
+        ray = self.engine.connect(init_kwargs)
+        bundles, self._use_gpus = _bundles(ray, p.gpus, p.gpu_type)
         self._num_ranks = len(bundles)
         self._rank_logs = [RankLog(r, self.run_dir.log(r), self._logs) for r in range(self._num_ranks)]
-        self._pg = placement_group(bundles, strategy="PACK", name=f"gpufleet-{self.run_id}")
+        self.engine.reserve(bundles, "PACK", name=f"gpufleet-{self.run_id}")
         self._schedule_started = time.monotonic()
         logger.debug("run %s: placement group of %d bundles requested", self.run_id, len(bundles))
 
-    def _wait_for(self, *refs: Any) -> None:
-        """Wait until every one of ``refs`` has answered (a value or an error), or the run is aborted.
-
-        Under load a rank's start can take a minute; a cancel or timeout must not wait for it.
-        """
-        pending = list(refs)
-        while pending:
-            _, pending = self._ray.wait(pending, num_returns=len(pending), timeout=self._POLL_WAIT_S)
-            if pending and self.abort.is_set():
-                raise GroupStartCanceled("the run was stopped while its ranks were starting")
-
     def _try_schedule(self, wait_s: float) -> bool:
         """Start one actor per rank once the placement group is ready; False while it is not."""
-        ray = self._ray
-        from ray.util.placement_group import placement_group_table
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from .actor import RankProcess
-
-        done, _ = ray.wait([self._pg.ready()], timeout=max(wait_s, self._POLL_WAIT_S))
-        if not done:
+        engine, ray = self.engine, self.engine.ray
+        if not engine.reserved(max(wait_s, self._POLL_WAIT_S)):
             waited = time.monotonic() - self._schedule_started
             if waited % self._SCHEDULE_LOG_S < self._POLL_WAIT_S:
                 logger.warning(
@@ -196,37 +177,24 @@ class RayWorkerGroup(WorkerGroup):
                     self.run_id, waited, self._num_ranks,
                 )
             return False
-        table = placement_group_table(self._pg)
-        bundle_nodes = {int(k): v for k, v in table["bundles_to_node_id"].items()}
-        node_ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-        layout = _rank_layout(bundle_nodes)
+        node_ips = engine.node_ips()
+        layout = _rank_layout(engine.bundle_nodes())
         self.node_ids = [node for _, node, _, _, _ in layout]
         self.spec = _with_nodes(self.spec, self._num_ranks, len(set(self.node_ids)), self._use_gpus)
-        actor_cls = ray.remote(RankProcess)
         for rank, (bundle, _, _, _, _) in enumerate(layout):
-            actor = actor_cls.options(
-                num_cpus=1,
-                num_gpus=1 if self._use_gpus else 0,
-                max_restarts=0,
-                max_concurrency=4,  # poll, stop and stack dumps may overlap
-                runtime_env={"env_vars": {"GPUFLEET_RUN_ID": self.run_id}},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg, placement_group_bundle_index=bundle
-                ),
-                name=f"gpufleet-{self.run_id}-rank{rank}",
-            ).remote(self.run_id, rank)
-            self._actors.append(actor)
+            engine.spawn("rank", rank, f"gpufleet-{self.run_id}-rank{rank}", bundle=bundle, num_cpus=1,
+                         num_gpus=1 if self._use_gpus else 0)  # fmt: skip
         master_addr = node_ips.get(layout[0][1], "127.0.0.1")
-        port_ref = self._actors[0].free_port.remote()
-        self._wait_for(port_ref)
+        port_ref = engine.actors[0].free_port.remote()
+        engine.wait_for([port_ref], self.abort, "ranks")
         self.rendezvous = Rendezvous(master_addr, ray.get(port_ref))
         payload_ref = ray.put(self.spec.payload)
         starts = []
         for rank, slot in enumerate(slots_by_node(self.node_ids)):
             env = self.spec.rank_env(slot, self.rendezvous)
             env["GPUFLEET_RAY_NODE_ID"] = self.node_ids[rank]
-            starts.append(self._actors[rank].start.remote(payload_ref, env))
-        self._wait_for(*starts)
+            starts.append(engine.actors[rank].start.remote(payload_ref, env))
+        engine.wait_for(starts, self.abort, "ranks")
         self._record_lost_from(starts)
         for rank in range(self._num_ranks):
             if rank not in self._failures:
@@ -239,7 +207,7 @@ class RayWorkerGroup(WorkerGroup):
 
     # -- watching -------------------------------------------------------------------------
     def _issue(self, rank: int) -> None:
-        self._polls[self._actors[rank].poll.remote(self._POLL_WAIT_S)] = rank
+        self._polls[self.engine.actors[rank].poll.remote(self._POLL_WAIT_S)] = rank
 
     def _status(self) -> GroupStatus:
         return GroupStatus(self._num_ranks, dict(self._results), dict(self._failures), started=self._scheduled,
@@ -247,14 +215,15 @@ class RayWorkerGroup(WorkerGroup):
 
     def stacks(self, timeout_s: float = 3.0) -> dict[int, str]:
         """Every live rank's threads, dumped on its node and sent back by its actor."""
-        if not self._actors:
+        ray, actors = self.engine.ray, self.engine.actors
+        if not actors:
             return {}
-        refs = {a.stacks.remote(timeout_s): r for r, a in enumerate(self._actors)}
-        ready, _ = self._ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s + 5.0)
+        refs = {a.stacks.remote(timeout_s): r for r, a in enumerate(actors)}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s + 5.0)
         found: dict[int, str] = {}
         for ref in ready:
             try:
-                text = self._ray.get(ref)
+                text = ray.get(ref)
             except Exception:  # noqa: BLE001 - a lost actor has no stack to give
                 continue
             if text:
@@ -265,7 +234,7 @@ class RayWorkerGroup(WorkerGroup):
         if not self._scheduled:
             self._scheduled = self._try_schedule(wait_s)
             return self._status()
-        ray = self._ray
+        ray = self.engine.ray
         if not self._polls:
             time.sleep(wait_s)
             return self._status()
@@ -336,7 +305,7 @@ class RayWorkerGroup(WorkerGroup):
     def _node_alive(self, rank: int) -> bool:
         node = self.node_ids[rank] if rank < len(self.node_ids) else None
         try:
-            alive = {n["NodeID"]: n["Alive"] for n in self._ray.nodes()}
+            alive = {n["NodeID"]: n["Alive"] for n in self.engine.ray.nodes()}
         except Exception:  # noqa: BLE001 - the cluster itself is unreachable
             return False
         return alive.get(node, False) if node else True
@@ -376,24 +345,24 @@ class RayWorkerGroup(WorkerGroup):
         )
 
     def _record_lost_from(self, starts: list[Any]) -> None:
-        """Each rank whose start (answered already, see :meth:`_wait_for`) failed is lost."""
+        """Each rank whose start (answered already, see :meth:`RayEngine.wait_for`) failed is lost."""
         for rank, ref in enumerate(starts):
             try:
-                self._ray.get(ref, timeout=0)
+                self.engine.ray.get(ref, timeout=0)
             except Exception as e:  # noqa: BLE001 - recorded as that rank's failure
                 self._failures.setdefault(rank, self._lost(rank, e))
 
     # -- stopping -------------------------------------------------------------------------
     def stop(self, reason: str, grace_period_s: float, dump_stacks: bool = False) -> GroupStatus:
         """Stop every rank, kill the actors and release the placement group."""
-        ray = self._ray
+        ray, actors = self.engine.ray, self.engine.actors
         t_stop = time.time()
         try:
-            if dump_stacks and self._actors:
-                for a in self._actors:
+            if dump_stacks and actors:
+                for a in actors:
                     a.dump_stacks.remote()
                 time.sleep(1.0)
-            refs = {a.stop.remote(grace_period_s): r for r, a in enumerate(self._actors)}
+            refs = {a.stop.remote(grace_period_s): r for r, a in enumerate(actors)}
             if refs:
                 ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=grace_period_s + 10.0)
                 for ref in ready:
@@ -410,31 +379,11 @@ class RayWorkerGroup(WorkerGroup):
                     if not self._known(rank):
                         self._take(rank, self._outcomes.get(rank))
         finally:
-            self._release()
+            self.engine.release()
             for rank in range(self._num_ranks):
                 if not self._known(rank):
                     self._failures[rank] = failures.stopped(rank, reason, t_stop, self.run_dir.log(rank))
         return self._status()
-
-    def _release(self) -> None:
-        """Kill every actor and remove the placement group (safe to call twice)."""
-        ray = self._ray
-        if ray is None:
-            return
-        actors, self._actors = self._actors, []
-        for a in actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        pg, self._pg = self._pg, None
-        if pg is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            try:
-                remove_placement_group(pg)
-            except Exception:  # noqa: BLE001 - the cluster may be gone
-                logger.warning("run %s: could not remove its placement group", self.run_id)
 
     def close(self, succeeded: bool) -> None:
         if self._closed:
@@ -448,31 +397,32 @@ class RayWorkerGroup(WorkerGroup):
             _reapers.add(reaper)
             reaper.start()
             return
-        self._release()
+        self.engine.release()
         for log in self._rank_logs:
             log.close()
 
     def _reap(self, wait_s: float = 10.0) -> None:
         try:
-            refs = {a.finish.remote(wait_s, 1.0): r for r, a in enumerate(self._actors)}
+            ray = self.engine.ray
+            refs = {a.finish.remote(wait_s, 1.0): r for r, a in enumerate(self.engine.actors)}
             ready: list[Any] = []
             pending = list(refs)
             deadline = time.monotonic() + wait_s + 15.0
             # In slices, so that a connection about to end (_before_ray_disconnects) stops the wait:
             # a thread still inside ray.wait at ray.shutdown crashes the process.
             while pending and time.monotonic() < deadline and not _disconnecting.is_set():
-                done, pending = self._ray.wait(pending, num_returns=len(pending), timeout=self._POLL_WAIT_S)
+                done, pending = ray.wait(pending, num_returns=len(pending), timeout=self._POLL_WAIT_S)
                 ready.extend(done)
             if not _disconnecting.is_set():
                 for ref in ready:
                     try:
-                        self._write(refs[ref], self._ray.get(ref))  # the lines printed while exiting
+                        self._write(refs[ref], ray.get(ref))  # the lines printed while exiting
                     except Exception:  # noqa: BLE001 - an actor that is gone has nothing left to say
                         pass
         except Exception as e:  # noqa: BLE001 - the cluster may be gone: release what we can
             logger.warning("run %s: could not let its ranks finish: %s", self.run_id, e)
         finally:
-            self._release()
+            self.engine.release()
             for log in self._rank_logs:
                 log.close()
             _reapers.discard(threading.current_thread())
