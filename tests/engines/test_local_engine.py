@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from gpufleet.launch.logstream import LogConfig
 from gpufleet.launch.spec import LaunchSpec, Payload
 from gpufleet.results import RunDir, new_run_id
 from gpufleet.workload.nodes import WorkloadNodeGroup
+from tests.groups import run_group, until
 
 PAYLOADS = ("call", "workload")
 SEEN = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "MASTER_ADDR", "MASTER_PORT", "GPUFLEET_RUN_ID", "WORLD_SIZE")
@@ -107,13 +107,6 @@ def _quote(text: str) -> str:
     return shlex.quote(text)
 
 
-def _until(what: str, check: Any, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"{what}: not after {timeout} s"
-        time.sleep(0.05)
-
-
 def _holders() -> dict[int, tuple[str, str] | None]:
     return {u.gpu.index: (u.holder.run_id, u.holder.kind) if u.holder else None for u in gpu_uses()}
 
@@ -131,23 +124,13 @@ def groups() -> Iterator[list[WorkerGroup]]:
         g.close(False)
 
 
-def _run(group: WorkerGroup, timeout: float = 60.0) -> Any:
-    group.start()
-    deadline = time.monotonic() + timeout
-    while True:
-        status = group.poll(0.05)
-        if status.finished or status.failures:
-            return status
-        assert time.monotonic() < deadline, "the unit did not end"
-
-
 @pytest.mark.parametrize("payload", PAYLOADS)
 def test_both_payloads_run_on_the_leased_gpu_with_the_contract_and_give_it_back(
     payload: str, tmp_path: Path, engine_calls: list[tuple[str, str]], groups: list[WorkerGroup]
 ) -> None:
     group, out = _group(payload, tmp_path, "ok")
     groups.append(group)
-    status = _run(group)
+    status = run_group(group, poll_s=0.05)
     assert status.succeeded and not status.failures, status.failures
     env = json.loads((out / "env.json").read_text())
     leased = str(group.engine.gpu_indices[0]) if payload == "call" else str(group.executor.gpu_indices[0])
@@ -156,7 +139,7 @@ def test_both_payloads_run_on_the_leased_gpu_with_the_contract_and_give_it_back(
     assert env["GPUFLEET_RUN_ID"] == group.run_id and env["WORLD_SIZE"] == "1", env
     assert _holders()[int(leased)] == (group.run_id, payload)  # held while the attempt lasts, named by kind
     group.close(True)
-    _until("the lease goes back once the unit is gone", _gpus_free)
+    until("the lease goes back once the unit is gone", _gpus_free)
     assert [c for c in engine_calls if c[0] != "release"][:2] == [("rendezvous", payload), ("start", payload)]
     assert ("release", payload) in engine_calls
 
@@ -167,7 +150,7 @@ def test_a_failing_unit_is_a_failure_with_its_exit_code_on_both_payloads(
 ) -> None:
     group, _ = _group(payload, tmp_path, "fail")
     groups.append(group)
-    status = _run(group)
+    status = run_group(group, poll_s=0.05)
     failure = status.failures[0]
     assert failure.exit_code == 3 and failure.rank == 0, failure
     group.close(False)
@@ -182,7 +165,7 @@ def test_a_stop_ends_the_unit_and_its_children_and_frees_the_gpu_on_both_payload
     group, out = _group(payload, tmp_path, "hang")
     groups.append(group)
     group.start()
-    _until("the unit runs", lambda: (out / "env.json").exists())
+    until("the unit runs", lambda: (out / "env.json").exists())
     leader = group.pids[0] if payload == "call" else group.nodes[0].pid
     tree = [leader] + [c.pid for c in psutil.Process(leader).children(recursive=True)]
     status = group.stop("canceled by the test", 1.0)
@@ -201,7 +184,7 @@ def test_a_second_unit_waits_for_the_gpu_the_first_holds_whatever_its_payload(
     first, out = _group("workload", tmp_path / "a", "hang")
     groups.append(first)
     first.start()
-    _until("the node runs", lambda: (out / "env.json").exists())
+    until("the node runs", lambda: (out / "env.json").exists())
     second, _ = _group("call", tmp_path / "b", "ok")
     groups.append(second)
     with pytest.raises(GPUUnavailableError, match=first.run_id):

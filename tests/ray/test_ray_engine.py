@@ -24,6 +24,7 @@ from gpufleet.results import RunDir, new_run_id
 from gpufleet.workload.nodes import WorkloadNodeGroup
 from gpufleet.workload.ray_executor import RayExecutor
 from gpufleet.workload.schema import WorkloadConfig
+from tests.groups import run_group, until
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -76,23 +77,6 @@ def _node_group(two_nodes: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                              inherited_env=os.environ)  # fmt: skip
 
 
-def _run(group: WorkloadNodeGroup, timeout: float = 120.0) -> Any:
-    group.start()
-    deadline = time.monotonic() + timeout
-    while True:
-        status = group.poll(0.2)
-        if status.finished or status.failures:
-            return status
-        assert time.monotonic() < deadline, "the nodes did not end"
-
-
-def _until(what: str, check: Any, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"{what}: not after {timeout} s"
-        time.sleep(0.1)
-
-
 def test_both_payloads_are_placed_and_released_by_the_ray_engine(two_nodes, tmp_path, monkeypatch, engine_calls) -> None:
     f = distributed(_seen, gpus=2, gpu_type="cpu", remote=two_nodes.address, runs_dir=str(tmp_path), tracking=False)
     ranks = f.distributed()
@@ -105,7 +89,7 @@ def test_both_payloads_are_placed_and_released_by_the_ray_engine(two_nodes, tmp_
     group = _node_group(two_nodes, tmp_path, monkeypatch, f"{sys.executable} {script}")
     succeeded = False
     try:
-        status = _run(group)
+        status = run_group(group, poll_s=0.2)
         succeeded = status.succeeded
         assert succeeded, status.failures
     finally:
@@ -120,7 +104,7 @@ def test_both_payloads_are_placed_and_released_by_the_ray_engine(two_nodes, tmp_
     assert spawned == [("rank", 0), ("rank", 1), ("node", 0), ("node", 1)], engine_calls
     # each run's actors went back through the engine: the call's once its ranks exited, the workload's at its end
     call_run = ranks[0]["GPUFLEET_RUN_ID"]
-    _until("the call's actors are released", lambda: ("release", call_run, 2) in engine_calls)
+    until("the call's actors are released", lambda: ("release", call_run, 2) in engine_calls)
     assert ("release", group.run_id, 2) in engine_calls, engine_calls
 
 
@@ -132,7 +116,7 @@ def test_a_unit_that_exits_3_fails_with_that_code_on_both_payloads(two_nodes, tm
 
     group = _node_group(two_nodes, tmp_path, monkeypatch, 'if [ "$NODE_RANK" = 1 ]; then exit 3; fi; sleep 60')
     try:
-        status = _run(group)
+        status = run_group(group, poll_s=0.2)
         failure = status.failures[1]
         assert failure.exit_code == 3, failure
         group.stop("the other node failed", 1.0)

@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 
 from gpufleet.launch.engines.base import Unit
+from gpufleet.launch.engines.slurm.engine import PREEMPTED_EXIT_CODE, SlurmProc
 from gpufleet.launch.engines.slurm.job import CANCELED_FILE, PREEMPTED_FILE, JobState
 from gpufleet.workload.schema import WorkloadConfig
-from gpufleet.workload.slurm_executor import PREEMPTED_EXIT_CODE, SlurmExecutor, SlurmNodeProcess
+from gpufleet.workload.slurm_executor import SlurmExecutor
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,7 +60,7 @@ class FakeJob:
         return ["node1", "node2"]
 
 
-def _attempt(tmp_path: Path, state: JobState) -> tuple[SlurmExecutor, FakeJob, list[SlurmNodeProcess]]:
+def _attempt(tmp_path: Path, state: JobState) -> tuple[SlurmExecutor, FakeJob, list[SlurmProc]]:
     config = WorkloadConfig.model_validate({
         "experiment_name": "t", "command": "true",
         "compute": {"accelerator_type": "CPU_1", "num_accelerators": 2, "cluster": "slurm"},
@@ -69,7 +70,7 @@ def _attempt(tmp_path: Path, state: JobState) -> tuple[SlurmExecutor, FakeJob, l
     ex.folder = tmp_path
     job = FakeJob(tmp_path, state)
     ex.job = job  # type: ignore[assignment]
-    nodes = [SlurmNodeProcess(ex, Unit(r, {}, str(tmp_path), command="true", log_path=str(tmp_path / f"node-{r}.log"))) for r in (0, 1)]
+    nodes = [SlurmProc(ex, Unit(r, {}, str(tmp_path), command="true", log_path=str(tmp_path / f"node-{r}.log"))) for r in (0, 1)]
     return ex, job, nodes
 
 

@@ -13,10 +13,14 @@ holds for good (:meth:`Engine.close`). A unit is one process of either payload:
 - a **workload's node command**: ``command`` is the bash script the node guard
   (:mod:`gpufleet.launch.node.guard`) runs; its output goes to ``log_path``.
 
-The engine never knows which front door it serves. The engines: the local one
-(:mod:`gpufleet.launch.engines.local.engine`, both payloads), and the node executors of Ray and
-Slurm (``gpufleet.workload.ray_executor``, ``gpufleet.workload.slurm_executor``), which serve the
-node payload only for now.
+The engine never knows which front door it serves. The engines, each serving both payloads:
+the local one (:mod:`gpufleet.launch.engines.local.engine`), Ray's
+(:mod:`gpufleet.launch.engines.ray.engine`) and Slurm's (:mod:`gpufleet.launch.engines.slurm.engine`).
+A call's group drives its engine's parts directly (a call's ranks on Ray start when their
+placement group is placed, without blocking the controller; on Slurm they are the tasks of one
+job); a workload's group goes through :meth:`Engine.rendezvous` and :meth:`Engine.start`, with
+the workload's own settings added by ``gpufleet.workload.executors`` (the local engine's lease),
+``gpufleet.workload.ray_executor`` and ``gpufleet.workload.slurm_executor``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -29,15 +28,8 @@ from ...group import GroupStartCanceled, GroupStatus, WorkerGroup
 from ...logstream import LogConfig, RankLog
 from ...progress import PROGRESS_INTERVAL_ENV, read_progress
 from ...spec import LaunchSpec, Rendezvous, package_parent
-from .job import (
-    SlurmError,
-    SlurmJob,
-    SlurmOptions,
-    batch_script,
-    require_slurm,
-    resource_args,
-    slurm_options,
-)
+from .engine import SlurmEngine
+from .job import SlurmError, SlurmJob, SlurmOptions, require_slurm, slurm_options
 
 __all__ = ["SlurmPlacement", "SlurmWorkerGroup", "slurm_placement"]
 
@@ -48,8 +40,6 @@ def signal_name(signum: int) -> str:
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a rank's outcome or exit file may take to appear once Slurm says the job ended.
-_FILE_WAIT_S = 5.0
 #: Seconds between two looks at the outcome files (they are on shared storage).
 _POLL_S = 0.25
 #: GPUs per node assumed when a call names only ``gpus`` (8 per node, the usual GPU server).
@@ -100,18 +90,23 @@ class SlurmWorkerGroup(WorkerGroup):
         super().__init__(spec, run_dir)
         self.placement = placement
         self._logs = logs
-        self.job: SlurmJob | None = None
+        self.engine = SlurmEngine(placement.options, spec.run_id, per_node=placement.tasks_per_node,
+                                  use_gpus=placement.use_gpus)  # fmt: skip
         self._results: dict[int, dict[str, Any]] = {}
         self._failures: dict[int, RankFailure] = {}
         self._progress: dict[int, dict[str, Any]] = {}
         self._progress_read = 0.0
-        self._ended_at: float | None = None
         self._rank_logs: list[RankLog] = []
         self._offsets: list[int] = []
         self._tail_lock = threading.Lock()
         self._stop_tail = threading.Event()
         self._tailer: threading.Thread | None = None
         self._closed = False
+
+    @property
+    def job(self) -> SlurmJob | None:
+        """The attempt's Slurm job (once submitted), held by the engine."""
+        return self.engine.job
 
     @property
     def num_nodes(self) -> int | None:
@@ -153,16 +148,8 @@ class SlurmWorkerGroup(WorkerGroup):
         if self.abort.is_set():
             raise GroupStartCanceled("before its Slurm job was submitted")
         self.spec.payload.write(self.run_dir.payload)
-        script = batch_script(self.run_dir.path, "rank", sys.executable, gpus=p.use_gpus)
-        args = [
-            *resource_args(p.num_nodes, p.tasks_per_node, p.use_gpus, p.tasks_per_node),
-            f"--job-name=gpufleet-{self.run_id}",
-            f"--output={self.run_dir.path / 'slurm-batch.log'}",
-            f"--signal=B:USR1@{p.options.signal_before_s}",
-            "--no-requeue",
-            *p.options.args(),
-        ]
-        self.job = SlurmJob.submit(script, args, self._env(), os.getcwd())
+        self.engine.cancel_event = self.abort
+        self.engine.submit(self.run_dir.path, "rank", self._env(), os.getcwd(), p.num_nodes, p.tasks_per_node)
         self._rank_logs = [RankLog(r, self.run_dir.log(r), self._logs) for r in range(p.world_size)]
         self._offsets = [0] * p.world_size
         self._tailer = threading.Thread(target=self._tail_loop, name=f"gpufleet-slurm-logs-{self.run_id}", daemon=True)
@@ -189,7 +176,8 @@ class SlurmWorkerGroup(WorkerGroup):
     def _last_lines(self, wait_s: float = 3.0) -> None:
         """Every rank returned: wait (briefly) until each task has passed on all its output, then take it."""
         deadline = time.monotonic() + wait_s
-        while any(self._exit_code(r) is None for r in range(self.placement.world_size)) and time.monotonic() < deadline:
+        while any(self.engine.exit_code("rank", r) is None for r in range(self.placement.world_size)) \
+                and time.monotonic() < deadline:  # fmt: skip
             time.sleep(0.05)
         self._tail_once()
 
@@ -201,20 +189,10 @@ class SlurmWorkerGroup(WorkerGroup):
     def _known(self, rank: int) -> bool:
         return rank in self._results or rank in self._failures
 
-    def _exit_code(self, rank: int) -> int | None:
-        import json
-
-        try:
-            return int(json.loads((self.run_dir.path / f"rank-{rank}.exit").read_text())["exit_code"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-
     def _collect(self) -> bool:
         news = False
-        job = self.job
-        if job is None:
+        if self.job is None:
             return False
-        state = None
         for rank in range(self.placement.world_size):
             if self._known(rank):
                 continue
@@ -227,23 +205,17 @@ class SlurmWorkerGroup(WorkerGroup):
                     self._failures[rank] = failures.failure_from_outcome(rank, rec, self.run_dir.log(rank))
                 news = True
                 continue
-            code = self._exit_code(rank)
+            code = self.engine.exit_code("rank", rank)
             if code is not None:
                 self._tail_once()
                 self._failures[rank] = failures.failure_from_exit(rank, code, self.run_dir.log(rank))
                 news = True
                 continue
-            state = state or job.state()
-            if state.ended:
-                self._ended_at = self._ended_at or time.monotonic()
-                if time.monotonic() - self._ended_at >= _FILE_WAIT_S:
-                    why = f" ({state.reason})" if state.reason and state.reason != "None" else ""
-                    self._failures[rank] = failures.stopped(
-                        rank, f"Slurm job {job.job_id} ended {state.state}{why} before rank {rank} reported an outcome "
-                              f"(on nodes {state.nodes or '?'}): its node or the job was lost; Slurm's messages are "
-                              f"in {self.run_dir.path / 'slurm-batch.log'}",
-                        time.time(), self.run_dir.log(rank))  # fmt: skip
-                    news = True
+            state = self.engine.ended_unreported()
+            if state is not None:
+                why = self.engine.lost_message(state, f"rank {rank} reported an outcome", "its node or the job")
+                self._failures[rank] = failures.stopped(rank, why, time.time(), self.run_dir.log(rank))
+                news = True
         return news
 
     def _status(self) -> GroupStatus:
@@ -307,7 +279,7 @@ class SlurmWorkerGroup(WorkerGroup):
                     time.sleep(1.0)
                 except Exception:  # noqa: BLE001 - the stacks are a courtesy
                     pass
-            job.cancel(wait_s=max(30.0, grace_period_s + 20.0))
+            self.engine.cancel_job(grace_period_s)
         self._collect()
         t_stop = time.time()
         for rank in range(self.placement.world_size):
@@ -326,12 +298,7 @@ class SlurmWorkerGroup(WorkerGroup):
         """Let the job end by itself (ranks that returned are exiting), then cancel what is left; last logs."""
         job = self.job
         try:
-            if job is not None:
-                deadline = time.monotonic() + 15.0
-                while not job.state(max_age_s=0.0).ended and time.monotonic() < deadline:
-                    time.sleep(0.25)
-                if not job.state(max_age_s=0.0).ended:
-                    job.cancel()
+            self.engine.finish(15.0)
         except SlurmError as e:
             logger.warning("run %s: could not check that Slurm job %s ended: %s", self.run_id, job.job_id if job else "?", e)
         finally:

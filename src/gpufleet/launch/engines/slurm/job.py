@@ -1,7 +1,7 @@
 """One Slurm job of an attempt, from the submitting machine: sbatch, its state, scancel.
 
-Used by both Slurm worker groups (a call's ranks, :mod:`gpufleet.launch.engines.slurm.group`; a workload's
-node commands, :mod:`gpufleet.workload.slurm_executor`). A job is one allocation of ``num_nodes``
+Used by the Slurm engine (:mod:`gpufleet.launch.engines.slurm.engine`), for a call's ranks
+(:mod:`gpufleet.launch.engines.slurm.group`) and a workload's node commands. A job is one allocation of ``num_nodes``
 nodes; its batch step (:mod:`gpufleet.launch.engines.slurm.node`) starts the ranks or node commands with
 ``srun``. The job's environment is the submitting process's (``--export=ALL``): secrets reach the
 nodes that way only, never in the batch script (which holds only paths) or on a command line.
