@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements recorded in docs/benchmarks.md, in the order they were run.
-#   benchmarks/gpu_suite.sh OUTDIR launch|strategies|strategies-ddp|checkpoint|recipes
-# Needs a machine with 2+ NVIDIA GPUs and gpufleet importable (PYTHONPATH=src works).
+#   benchmarks/gpu_suite.sh OUTDIR launch|strategies|strategies-ddp|checkpoint|recipes|engines
+# Needs a machine with 2+ NVIDIA GPUs (engines: 1) and gpufleet importable (PYTHONPATH=src works).
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_suite.sh OUTDIR PART}
-part=${2:?PART: launch, strategies, strategies-ddp, checkpoint or recipes}
+part=${2:?PART: launch, strategies, strategies-ddp, checkpoint, recipes or engines}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 GPUFLEET_HOME=${GPUFLEET_HOME:-/tmp/gpufleet-home}
@@ -35,5 +35,32 @@ case "$part" in
     ;;
   recipes)
     step recipes; bash recipes/run_gpu_smoke.sh "$out" 2>&1 | tail -60
+    ;;
+  engines)
+    # the local engine on one GPU: a call, warm ranks, the lease hand-off, two workloads on one GPU, a workload recipe
+    name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+    case "$name" in *H200*) acc=GPU_1xH200 ;; *) acc=GPU_1xH100 ;; esac
+    step hello; $py benchmarks/hello_gpus.py 2>&1 | tail -2
+    step warm; $py - <<'PY'
+import os, time
+from gpufleet import distributed, shutdown_workers
+def where():
+    import torch
+    x = torch.ones(1024, 1024, device="cuda")
+    return os.getpid(), os.environ["CUDA_VISIBLE_DEVICES"], torch.cuda.get_device_name(0), float((x @ x).sum())
+f = distributed(where, gpus=1, keep_warm=60)
+for i in range(2):
+    t = time.perf_counter(); r = f.distributed(); print(f"call {i + 1}: {r} in {time.perf_counter() - t:.2f} s")
+print("warm groups stopped:", shutdown_workers())
+PY
+    step lease hand-off; timeout 300 $py benchmarks/lease_handoff.py --gpu --rounds 3 2>&1 | tail -8
+    step two workloads on one GPU
+    mkdir -p "$out/wl"
+    printf 'experiment_name: lease-check\ncompute: {accelerator_type: %s, num_accelerators: 1}\ncommand: |\n  python3 -c "import os, torch, time; x = torch.ones(4096, 4096, device=\x27cuda\x27); print(\x27gpus\x27, os.environ[\x27CUDA_VISIBLE_DEVICES\x27], float((x @ x).sum())); time.sleep(8)"\n' "$acc" > "$out/wl/w.yaml"
+    a=$(cd "$out/wl" && $py -m gpufleet.cli run -f w.yaml --no-tracking | tail -1); sleep 3
+    b=$(cd "$out/wl" && $py -m gpufleet.cli run -f w.yaml --no-tracking | tail -1); sleep 4
+    $py -m gpufleet.cli ps 2>&1 | tail -5
+    for r in $a $b; do $py -m gpufleet.cli logs "$r" --follow 2>&1 | tail -2; $py -m gpufleet.cli get "$r" 2>&1 | grep -i state; done
+    step workload recipe; ONLY=fsdp2-qwen-27b-packing ACCELERATOR=$acc NUM_ACCELERATORS=1 bash recipes/run_gpu_smoke.sh "$out/smoke" 2>&1 | tail -4
     ;;
 esac
