@@ -116,21 +116,46 @@ class DetachedRunHandle:
         return self._read_run_id() or "?"
 
     def _record(self) -> Any:
+        """The current attempt's record, after the liveness check: a supervisor that died leaves it FAILED."""
         from .runs.calls import store
+        from .runs.liveness import get_run
 
         try:
-            return store().get(self.run_id)
+            return get_run(store(), self.run_id)
         except Exception:  # noqa: BLE001
             return None
 
+    def _supervisor_gone(self) -> str | None:
+        """Why the run can no longer give a result (its supervisor died without writing one), or None."""
+        from .runs.liveness import pid_alive
+
+        if self.done():
+            return None
+        record = self._record()
+        if record is not None and record.is_active:
+            return None
+        if record is not None and record.supervisor_pid is not None:
+            alive = pid_alive(record.supervisor_pid, record.supervisor_started)
+        else:  # no record yet: the process this handle started, or the pid it was given
+            alive = self._popen.poll() is None if self._popen is not None else pid_alive(self.pid)
+        if alive or self.done():  # alive: it writes the result next (or starts the next attempt)
+            return None
+        why = record.message if record is not None and record.message else "it ended without writing a result"
+        return f"the detached supervisor (pid {self.pid}) of run {self.run_id} is gone: {why}"
+
     @property
     def status(self) -> str:
-        """PENDING, RUNNING, SUCCESS, FAILED, CANCELED or TIMEDOUT (from the result, else the run store)."""
+        """PENDING, RUNNING, SUCCESS, FAILED, CANCELED or TIMEDOUT (from the result, else the run store).
+
+        A run whose supervisor died is FAILED (the store's liveness check), not RUNNING for ever.
+        """
         outcome = self._outcome()
         if outcome is not None:
             return str(outcome["state"])
         record = self._record()
-        return str(record.state) if record is not None else "RUNNING"
+        if record is not None:
+            return str(record.state)
+        return "FAILED" if self._supervisor_gone() else "RUNNING"
 
     @property
     def run_dir(self) -> str:
@@ -159,9 +184,17 @@ class DetachedRunHandle:
     def result(self, timeout: float | None = None) -> list[Any]:
         """Wait for the run; per-rank results, or the run's error raised here."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        checked = time.monotonic()
         while not self.done():
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"run {self.run_id} is still {self.status} after {timeout} s")
+            if time.monotonic() - checked >= 1.0:  # a supervisor that died never writes the result
+                checked = time.monotonic()
+                gone = self._supervisor_gone()
+                if gone is not None:
+                    from .errors import WorkerGroupError
+
+                    raise WorkerGroupError({}, 0, self.run_dir, gone)
             time.sleep(0.1)
         outcome = self._outcome()
         assert outcome is not None

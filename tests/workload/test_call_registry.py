@@ -166,6 +166,40 @@ def test_a_detached_run_goes_on_after_the_script_and_is_followed_with_logs(
     assert handle.result(30) == [0, 1] and handle.status == "SUCCESS"
 
 
+def test_a_detached_call_whose_supervisor_was_killed_is_failed_and_its_result_raises_not_waits(
+    tmp_path: Path, store: RunStore
+) -> None:
+    script = _script(tmp_path, """
+        from gpufleet import distributed
+
+        @distributed(gpus=2, gpu_type="cpu", tracking=False)
+        def train():
+            import time
+            time.sleep(120)
+
+        handle = train.submit(detach=True)
+        print(handle.run_id, handle.pid, flush=True)
+    """)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    run_id, pid = done.stdout.split()
+    wait_state(store, run_id, ("RUNNING",), timeout=60)
+    os.kill(int(pid), signal.SIGKILL)  # the supervisor, as the out-of-memory killer would
+    from gpufleet.detach import DetachedRunHandle
+    from gpufleet.errors import WorkerGroupError
+
+    job = next(p for p in (store.home / "detached").iterdir())
+    handle = DetachedRunHandle(job, int(pid))
+    started = time.monotonic()
+    with pytest.raises(WorkerGroupError, match=rf"the detached supervisor \(pid {pid}\) of run {run_id} is gone: "
+                                               r"run failed: its calling process \(pid \d+\) died"):  # fmt: skip
+        handle.result(timeout=100)  # before: waited out the whole timeout (without one: for ever)
+    assert time.monotonic() - started < 100
+    assert handle.status == "FAILED"  # before: RUNNING for ever
+    assert store.get(run_id).state == "FAILED"
+    assert wait_no_processes(run_id) == []
+
+
 def test_a_killed_caller_frees_its_gpus_and_its_call_is_marked_failed(tmp_path: Path, store: RunStore) -> None:
     script = _script(tmp_path, """
         from gpufleet import distributed
