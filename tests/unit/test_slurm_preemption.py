@@ -228,7 +228,8 @@ def test_the_tasks_of_a_job_without_gpus_see_none(tmp_path: Path, gpus: bool) ->
     from gpufleet.launch.engines.slurm.job import batch_script
 
     script = batch_script(tmp_path, "node", sys.executable, gpus=gpus).read_text()
-    args = script.split("gpufleet.launch.engines.slurm.node ", 1)[1].split()
+    step = next(line for line in script.splitlines() if "-m gpufleet.launch.engines.slurm.node " in line)
+    args = step.split("gpufleet.launch.engines.slurm.node ", 1)[1].removesuffix(" &").split()
     assert args[:2] == ["batch", "node"] and (args[-1] == "cpu") is (not gpus)
     (tmp_path / "node-command.sh").write_text('echo "visible=[${CUDA_VISIBLE_DEVICES-unset}]"\n')
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
@@ -237,3 +238,35 @@ def test_the_tasks_of_a_job_without_gpus_see_none(tmp_path: Path, gpus: bool) ->
     done = subprocess.run([sys.executable, "-m", "gpufleet.launch.engines.slurm.node", *task], env=env, timeout=60)
     assert done.returncode == 0
     assert ("visible=[]" if not gpus else "visible=[unset]") in (tmp_path / "node-0.log").read_text()
+
+
+def test_the_batch_script_marks_a_time_limit_signal_that_comes_before_python_is_up(tmp_path: Path) -> None:
+    """Slurm may send ``SIGUSR1`` to the batch shell at the job's start (its timer's resolution is
+    coarse): a batch step still importing Python died of it, and the job failed instead of resubmitting."""
+    from gpufleet.launch.engines.slurm.job import batch_script
+
+    started = tmp_path / "started"
+    stub = tmp_path / "python"  # stands for the batch step: up, a moment of work, then its exit code
+    stub.write_text(f"#!/bin/bash\ntouch {started}\nsleep 1\nexit 7\n")
+    stub.chmod(0o755)
+    script = batch_script(tmp_path, "node", str(stub), gpus=False)
+    shell = subprocess.Popen(["bash", str(script)], env={**os.environ, "SLURM_JOB_ID": "41"}, stderr=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not started.exists():
+            assert time.monotonic() < deadline and shell.poll() is None, "the batch step never started"
+            time.sleep(0.01)
+        shell.send_signal(signal.SIGUSR1)  # as Slurm does (--signal=B:USR1@N), to the batch shell only
+        shell.send_signal(signal.SIGUSR1)  # twice: the mark is rewritten, the step goes on
+        _, err = shell.communicate(timeout=30)
+    finally:
+        if shell.poll() is None:
+            shell.kill()
+            shell.wait()
+    assert shell.returncode == 7, err  # the batch step's own exit code, not death by SIGUSR1
+    mark = json.loads((tmp_path / PREEMPTED_FILE).read_text())
+    assert mark["signal"] == "USR1" and mark["job"] == "41" and mark["time"] > 0, mark
+    assert "Slurm job 41 was told to stop soon" in err
+    assert not list(tmp_path.glob("*.tmp"))
+

@@ -286,7 +286,22 @@ def batch_script(folder: Path, mode: str, python: str, gpus: bool = True) -> Pat
     """
     path = folder / "slurm-batch.sh"
     cpu = "" if gpus else " cpu"
-    path.write_text(f"#!/bin/bash\nexec {_quote(python)} -m gpufleet.launch.engines.slurm.node batch {mode} {_quote(str(folder))}{cpu}\n")
+    mark = _quote(str(folder / PREEMPTED_FILE))
+    path.write_text(
+        "#!/bin/bash\n"
+        "# Slurm's SIGUSR1 to this shell (--signal=B:USR1@N: the time limit is near) may come at once, before\n"
+        "# Python is up: the shell marks the attempt preempted itself and runs the batch step as its child.\n"
+        f"mark={mark}\n"
+        "on_usr1() {\n"
+        '  printf \'{"time": %s, "job": "%s", "signal": "USR1"}\' "$(date +%s)" "$SLURM_JOB_ID" > "$mark.$$.tmp" && mv -f "$mark.$$.tmp" "$mark"\n'
+        '  echo "gpufleet: Slurm job $SLURM_JOB_ID was told to stop soon (SIGUSR1: its time limit or a preemption is near);'
+        ' the ranks checkpoint at their next step and the run resubmits" >&2\n'
+        "}\n"
+        "trap on_usr1 USR1\n"
+        f"{_quote(python)} -m gpufleet.launch.engines.slurm.node batch {mode} {_quote(str(folder))}{cpu} &\n"
+        "step=$!\n"
+        'while :; do wait "$step"; rc=$?; kill -0 "$step" 2>/dev/null || exit "$rc"; done  # a trapped signal ends a wait\n'
+    )
     os.chmod(path, 0o700)
     return path
 

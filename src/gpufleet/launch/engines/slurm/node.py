@@ -3,9 +3,10 @@
 ``python -m gpufleet.launch.engines.slurm.node batch MODE FOLDER`` is the job's batch script
 (:func:`gpufleet.launch.engines.slurm.job.batch_script`). It runs on the allocation's first node, sets
 ``MASTER_ADDR`` (that node's address as Slurm knows it) and ``MASTER_PORT`` (a free port there),
-turns Slurm's ``SIGUSR1`` (sent before the time limit, ``--signal=B:USR1@N``; a preemption's
-``SIGTERM`` goes to the tasks, see :mod:`gpufleet.checkpoint.preemption`) into the attempt's
-preempted mark, and starts one task per rank or per node with ``srun``:
+and starts one task per rank or per node with ``srun``. Slurm's ``SIGUSR1`` (sent before the time
+limit, ``--signal=B:USR1@N``; a preemption's ``SIGTERM`` goes to the tasks, see
+:mod:`gpufleet.checkpoint.preemption`) goes to the batch script's shell, which turns it into the
+attempt's preempted mark (it may come before Python is up):
 
 - ``task rank FOLDER``: one rank of a call. ``RANK``, ``LOCAL_RANK``, ``NODE_RANK`` and the rest of the
   rank contract come from Slurm's task ids; the task runs ``python -m gpufleet.launch.worker FOLDER
@@ -35,7 +36,7 @@ from typing import IO
 
 from ....results import write_atomic
 from ...spec import default_threads
-from .job import PREEMPTED_FILE, node_address
+from .job import node_address
 
 
 def _cores() -> int:
@@ -63,14 +64,7 @@ def batch(mode: str, folder: Path, cpu: bool = False) -> int:
     addr = node_address(node)
     os.environ["MASTER_ADDR"] = addr
     os.environ["MASTER_PORT"] = str(find_free_port(addr))
-    mark = folder / PREEMPTED_FILE
-
-    def on_usr1(signum: int, _frame: object) -> None:  # (over a rank's mark of SIGTERM: this one says why)
-        write_atomic(mark, json.dumps({"time": time.time(), "job": os.environ.get("SLURM_JOB_ID"), "signal": "USR1"}).encode())
-        _say(f"Slurm job {os.environ.get('SLURM_JOB_ID')} was told to stop soon (SIGUSR1: its time limit or a "
-             "preemption is near); the ranks checkpoint at their next step and the run resubmits")  # fmt: skip
-
-    signal.signal(signal.SIGUSR1, on_usr1)
+    _outlive(signal.SIGUSR1)  # Slurm's SIGUSR1 goes to the batch script's shell, which marks it (job.batch_script)
     # Each task gets its share of the node's CPUs (srun's default is one per task): a node command
     # all of them, for the ranks its torchrun starts; a rank its part.
     cpus = int(os.environ.get("SLURM_CPUS_ON_NODE", "1").split("(")[0] or 1)
