@@ -24,7 +24,7 @@ from gpufleet.results import RunDir, new_run_id
 from gpufleet.workload.nodes import WorkloadNodeGroup
 from gpufleet.workload.ray_executor import RayExecutor
 from gpufleet.workload.schema import WorkloadConfig
-from tests.groups import run_group, until
+from tests.groups import run_attempt, until
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -87,14 +87,8 @@ def test_both_payloads_are_placed_and_released_by_the_ray_engine(two_nodes, tmp_
     script.write_text(f"import json, os\nout = os.path.join(os.environ['OUT'], 'node-' + os.environ['NODE_RANK'] + '.json')\n"
                       f"json.dump({{k: os.environ.get(k) for k in {SEEN!r}}}, open(out, 'w'))\n")
     group = _node_group(two_nodes, tmp_path, monkeypatch, f"{sys.executable} {script}")
-    succeeded = False
-    try:
-        status = run_group(group, poll_s=0.2)
-        succeeded = status.succeeded
-        assert succeeded, status.failures
-    finally:
-        group.close(succeeded)
-        group.executor.close()
+    status = run_attempt(group, poll_s=0.2)
+    assert status.succeeded, status.failures
     nodes = [json.loads((tmp_path / f"node-{r}.json").read_text()) for r in (0, 1)]
     assert [n["NODE_RANK"] for n in nodes] == ["0", "1"] and {n["NUM_NODES"] for n in nodes} == {"2"}, nodes
     assert len({(n["MASTER_ADDR"], n["MASTER_PORT"]) for n in nodes}) == 1
@@ -115,13 +109,7 @@ def test_a_unit_that_exits_3_fails_with_that_code_on_both_payloads(two_nodes, tm
         g.distributed()
 
     group = _node_group(two_nodes, tmp_path, monkeypatch, 'if [ "$NODE_RANK" = 1 ]; then exit 3; fi; sleep 60')
-    try:
-        status = run_group(group, poll_s=0.2)
-        failure = status.failures[1]
-        assert failure.exit_code == 3, failure
-        group.stop("the other node failed", 1.0)
-    finally:
-        group.close(False)
-        group.executor.close()
+    status = run_attempt(group, poll_s=0.2)
+    assert status.failures[1].exit_code == 3, status.failures
     assert ("node", 1) in [(p, i) for what, p, i in engine_calls if what == "spawn"]
     assert ("release", group.run_id, 2) in engine_calls, engine_calls  # stopped, then released at close

@@ -24,7 +24,7 @@ from gpufleet.results import RunDir, new_run_id
 from gpufleet.workload.nodes import WorkloadNodeGroup
 from gpufleet.workload.schema import WorkloadConfig
 from gpufleet.workload.slurm_executor import SlurmExecutor
-from tests.groups import run_group, until
+from tests.groups import run_attempt, until
 from tests.slurm.conftest import squeue_ids
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
@@ -85,14 +85,8 @@ def test_both_payloads_are_submitted_and_read_by_the_slurm_engine(tmp_path, monk
                       "json.dump({k: os.environ.get(k) for k in ('NODE_RANK', 'NUM_NODES', 'SLURMD_NODENAME', "
                       "'MASTER_ADDR')}, open(out, 'w'))\n")  # fmt: skip
     group = _node_group(tmp_path, monkeypatch, f"{sys.executable} {script}")
-    succeeded = False
-    try:
-        status = run_group(group, poll_s=0.25)
-        succeeded = status.succeeded
-        assert succeeded, status.failures
-    finally:
-        group.close(succeeded)
-        group.executor.close()
+    status = run_attempt(group, poll_s=0.25)
+    assert status.succeeded, status.failures
     nodes = [json.loads((tmp_path / f"node-{r}.json").read_text()) for r in (0, 1)]
     assert [(n["NODE_RANK"], n["SLURMD_NODENAME"]) for n in nodes] == [("0", "node1"), ("1", "node2")], nodes
     assert len({n["MASTER_ADDR"] for n in nodes}) == 1
@@ -109,12 +103,7 @@ def test_a_unit_that_exits_3_fails_with_that_code_on_both_payloads(tmp_path, mon
         g.distributed()
 
     group = _node_group(tmp_path, monkeypatch, 'if [ "$NODE_RANK" = 1 ]; then exit 3; fi; sleep 60')
-    try:
-        status = run_group(group, poll_s=0.25)
-        assert status.failures[1].exit_code == 3, status.failures
-        group.stop("the other node failed", 1.0)
-    finally:
-        group.close(False)
-        group.executor.close()
+    status = run_attempt(group, poll_s=0.25)
+    assert status.failures[1].exit_code == 3, status.failures
     assert ("exit_code", "rank") in engine_calls and ("exit_code", "node") in engine_calls, engine_calls
     until("no job of the test is left in squeue", lambda: not squeue_ids())

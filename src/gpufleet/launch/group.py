@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,3 +172,20 @@ class WorkerGroup(abc.ABC):
         After a success the ranks may still be exiting; the group lets them finish and stops
         anything left over, without making the caller wait.
         """
+
+
+def reap_later(reapers: set[threading.Thread], run_id: str, reap: Callable[[], None]) -> threading.Thread:
+    """Run ``reap`` (let a finished group's processes exit, then release what it held) on a thread of
+    its own, listed in ``reapers`` while it runs. Not a daemon: the interpreter waits for it at exit."""
+
+    def run() -> None:
+        try:
+            reap()
+        finally:
+            reapers.discard(threading.current_thread())
+
+    reaper = threading.Thread(target=run, name=f"gpufleet-reap-{run_id}")
+    reapers.add(reaper)
+    reaper.start()
+    return reaper
+

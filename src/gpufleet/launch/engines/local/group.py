@@ -16,7 +16,7 @@ from typing import IO, Any
 from ....errors import RankFailure
 from ....results import ERROR, OK, RunDir, read_outcome
 from ... import failures
-from ...group import GroupStatus, WorkerGroup
+from ...group import GroupStatus, WorkerGroup, reap_later
 from ...leasing.leases import GpuLease, GpuRequest
 from ...logstream import LogConfig, RankLog, failure_text
 from ...proctree import run_processes
@@ -281,9 +281,7 @@ class LocalWorkerGroup(WorkerGroup):
         if succeeded:
             # Every rank returned: the results go back now, and a reaper waits for the ranks to
             # finish exiting (atexit handlers, flushes), then stops any stray child.
-            reaper = threading.Thread(target=self._reap, name=f"gpufleet-reap-{self.run_id}")
-            _reapers.add(reaper)
-            reaper.start()
+            reap_later(_reapers, self.run_id, self._reap)
         else:
             for pump in self._pumps:
                 pump.close()
@@ -307,4 +305,3 @@ class LocalWorkerGroup(WorkerGroup):
                 pump.close()
         finally:
             self.engine.release(self.pids)
-            _reapers.discard(threading.current_thread())

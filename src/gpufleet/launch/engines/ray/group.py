@@ -19,7 +19,7 @@ from typing import Any
 from ....errors import LaunchConfigError, RankFailure
 from ....results import ERROR, OK, RunDir, tail
 from ... import failures
-from ...group import GroupStatus, WorkerGroup
+from ...group import GroupStatus, WorkerGroup, reap_later
 from ...logstream import LogConfig, RankLog, failure_text
 from ...spec import LaunchSpec, Rendezvous, slots_by_node
 from .connect import before_disconnect
@@ -393,9 +393,7 @@ class RayWorkerGroup(WorkerGroup):
             # Every rank returned: the values go back now, and a reaper lets the ranks finish
             # exiting (atexit handlers, module teardown with fast_exit=False) before it stops
             # what is left and releases the actors.
-            reaper = threading.Thread(target=self._reap, name=f"gpufleet-reap-{self.run_id}")
-            _reapers.add(reaper)
-            reaper.start()
+            reap_later(_reapers, self.run_id, self._reap)
             return
         self.engine.release()
         for log in self._rank_logs:
@@ -425,7 +423,6 @@ class RayWorkerGroup(WorkerGroup):
             self.engine.release()
             for log in self._rank_logs:
                 log.close()
-            _reapers.discard(threading.current_thread())
 
 
 def _before_ray_disconnects() -> None:

@@ -25,6 +25,7 @@ attempt's ``canceled.json`` (a rank's ``SIGTERM`` is then no preemption).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -59,13 +60,13 @@ FIRST_NODE = "slurm-first-node"
 
 
 def _mark_signal(path: Path) -> str | None:
-    """The signal a preempted mark records (``USR1``: the batch step's; ``TERM``: a rank's), or None without one."""
+    """The signal a preempted mark records (``USR1``: the batch shell's; ``TERM``: a rank's), or None without one."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
-        return "USR1"  # unreadable: taken for the batch step's (a rank's mark is written whole, atomically)
+        return "USR1"  # unreadable: taken for the batch shell's (a rank's mark is written whole, atomically)
     return str(data.get("signal", "USR1")) if isinstance(data, dict) else "USR1"
 
 
@@ -168,7 +169,7 @@ class SlurmEngine(Engine):
     def preemption(self, max_age_s: float = 1.0) -> str | None:
         """Why Slurm ended or is ending the current job early, from what it said at most ``max_age_s`` ago; or None.
 
-        The batch step's mark of ``SIGUSR1`` (the time limit is near), the job's ``PreemptTime`` (a
+        The batch shell's mark of ``SIGUSR1`` (the time limit is near), the job's ``PreemptTime`` (a
         preemption, whose ``SIGTERM`` went to the tasks), a requeue, or the state ``PREEMPTED``. A
         mark a rank wrote on ``SIGTERM`` alone is none of these: a ``scancel`` sends that signal too.
         """
@@ -233,11 +234,9 @@ class SlurmEngine(Engine):
         """Cancel the attempt's job and wait until nothing of it runs (up to ``grace_period_s`` + 20 s, at least 30 s)."""
         if self.job is not None:
             self._canceling = True
-            try:  # first: the ranks' SIGTERM handlers read it (this SIGTERM is no preemption)
-                if self.preemptible:
+            if self.preemptible:  # first: the ranks' SIGTERM handlers read it (this SIGTERM is no preemption)
+                with contextlib.suppress(OSError):
                     write_atomic(self.folder / CANCELED_FILE, json.dumps({"time": time.time()}).encode())
-            except OSError:
-                pass
             self.job.cancel(wait_s=max(30.0, grace_period_s + 20.0))
 
     def finish(self, wait_s: float = 0.0) -> None:
@@ -258,20 +257,20 @@ class SlurmEngine(Engine):
 class SlurmProc(Proc):
     """One node's command in the attempt's job: its exit file, or the job's end, says how it ended."""
 
-    def __init__(self, executor: SlurmEngine, spec: Unit) -> None:
-        self.index = spec.index
-        self._executor = executor
-        self._spec = spec
+    def __init__(self, engine: SlurmEngine, unit: Unit) -> None:
+        self.index = unit.index
+        self._engine = engine
+        self._unit = unit
         self._code: int | None = None
 
     def _note(self, text: str) -> None:
-        with open(self._spec.log_path, "a") as f:
+        with open(self._unit.log_path, "a") as f:
             f.write(f"gpufleet: {text}\n")
 
     def poll(self) -> int | None:
         if self._code is not None:
             return self._code
-        ex = self._executor
+        ex = self._engine
         job = ex.job
         if job is None:
             return None
@@ -296,17 +295,17 @@ class SlurmProc(Proc):
         return self._code
 
     def cancel(self, grace_period_s: float = GRACE_PERIOD_S) -> None:
-        self._executor.cancel_job(grace_period_s)
+        self._engine.cancel_job(grace_period_s)
 
     def cleanup(self) -> None:
-        self._executor.finish()
+        self._engine.finish()
 
     def describe(self) -> dict[str, Any]:
-        job = self._executor.job
-        nodes = self._executor.node_names()
+        job = self._engine.job
+        nodes = self._engine.node_names()
         return {
             "node_rank": self.index,
             "host": nodes[self.index] if self.index < len(nodes) else None,
             "slurm_job_id": job.job_id if job else None,
-            "log_path": self._spec.log_path,
+            "log_path": self._unit.log_path,
         }
