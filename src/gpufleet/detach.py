@@ -210,9 +210,14 @@ class DetachedRunHandle:
     def cancel(self, wait: float | None = 30.0) -> None:
         """Stop every rank (the supervisor records the run CANCELED); waits up to ``wait`` seconds."""
         from .runs.calls import store
+        from .runs.cancel import request_cancel
 
-        with contextlib.suppress(Exception):
-            store().request_cancel(self.run_id)
+        record = self._record()
+        try:
+            if record is not None and record.is_active:
+                request_cancel(store(), record)  # as `gpufleet cancel` does
+        except Exception:  # noqa: BLE001 - a busy store: the signal alone stops it
+            pass
         if not self.done():  # its SIGTERM handler cancels the run at once
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(self.pid, signal.SIGTERM)

@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     import cloudpickle
 
     from .runs.calls import adopt_origin
+    from .runs.cancel import signal_reason
     from .states import CANCELED, FAILED, SUCCESS
 
     os.umask(0o077)
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def on_term(signum: int, _frame: Any) -> None:
             assert controller is not None
-            controller.cancel(f"canceled ({signal.Signals(signum).name} to the detached supervisor)")
+            controller.cancel(signal_reason(signum))
 
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGHUP, on_term)

@@ -28,6 +28,10 @@ FAILED = RunState.FAILED
 CANCELED = RunState.CANCELED
 TIMEDOUT = RunState.TIMEDOUT
 
+#: Why a run stopped when its user stopped it: ``gpufleet cancel``, a handle's ``cancel()``, a SIGTERM to
+#: its supervisor. A canceled run's (and attempt's) stored message for calls and workloads alike.
+CANCEL_REASON = "canceled by the user"
+
 STATES = tuple(RunState)
 ACTIVE_STATES = tuple(s for s in RunState if not s.terminal)
 TERMINAL_STATES = tuple(s for s in RunState if s.terminal)

@@ -129,7 +129,7 @@ def test_a_workloads_first_run_is_attached_and_each_run_gets_the_stored_status(t
     config = WorkloadConfig.model_validate({"experiment_name": "wl", "command": "true", "parameters": {"lr": 0.1},
                                             "compute": {"accelerator_type": "CPU_2", "num_accelerators": 2}})  # fmt: skip
     log = io.StringIO()
-    recorder = RunRecorder(WorkloadKind(None, lambda: "-"), store, run_id=run.id, log=log, max_attempts=2)
+    recorder = RunRecorder(WorkloadKind(None), store, run_id=run.id, log=log, max_attempts=2)
     handed = [{"run_id": "opened-by-gpufleet-run", "tracking_uri": "sqlite:///fake.db"}]
     profile = WorkloadTracking(config, run, log, system_metrics=True, ends=recorder.ends,
                                handed_over=lambda: handed.pop() if handed else None)  # fmt: skip

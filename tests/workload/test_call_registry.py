@@ -104,10 +104,11 @@ def test_a_cancel_from_another_process_ends_the_call_with_run_canceled_error(sto
     done = cli_process("cancel", handle.run_id, "-o", "json")
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads(done.stdout)[0]["state"] == "CANCELED"
-    with pytest.raises(RunCanceledError, match="canceled with `gpufleet cancel`"):
+    with pytest.raises(RunCanceledError, match=r"the run was canceled \(canceled by the user\)"):
         handle.result(60)
     assert time.monotonic() - start < 45  # the call sleeps 60 s: it was stopped, not waited for
-    assert store.get(handle.run_id).state == "CANCELED"
+    run = store.get(handle.run_id)
+    assert (run.state, run.message) == ("CANCELED", "canceled by the user")  # a workload's words
     assert wait_no_processes(handle.run_id) == []
 
 
@@ -192,7 +193,7 @@ def test_a_detached_call_whose_supervisor_was_killed_is_failed_and_its_result_ra
     handle = DetachedRunHandle(job, int(pid))
     started = time.monotonic()
     with pytest.raises(WorkerGroupError, match=rf"the detached supervisor \(pid {pid}\) of run {run_id} is gone: "
-                                               r"run failed: its calling process \(pid \d+\) died"):  # fmt: skip
+                                               r"run failed: its supervisor process \(pid \d+\) died"):  # fmt: skip
         handle.result(timeout=100)  # before: waited out the whole timeout (without one: for ever)
     assert time.monotonic() - started < 100
     assert handle.status == "FAILED"  # before: RUNNING for ever
@@ -359,3 +360,43 @@ def test_a_call_numbers_its_attempts_from_1_as_a_workload_does(
     assert wait_state(store, out.strip()).state == "SUCCESS"
     run = cli_json(capsys, "get", out.strip())
     assert [(a["attempt"], a["state"]) for a in run["attempts"]] == [(1, "FAILED"), (2, "SUCCESS")]
+
+
+def test_a_cancel_from_another_terminal_ends_a_detached_call_and_a_workload_the_same_way(
+    tmp_path: Path, store: RunStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(tmp_path, """
+        from gpufleet import distributed
+
+        @distributed(gpus=2, gpu_type="cpu", tracking=False)
+        def train():
+            import time
+            time.sleep(120)
+
+        handle = train.submit(detach=True)
+        print(handle.run_id, handle.pid, flush=True)
+    """)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    call_id, pid = done.stdout.split()
+    code, out, err = cli(capsys, "run", "-f", str(write_workload(tmp_path, command="sleep 120")), "--no-tracking")
+    assert code == 0, err
+    workload_id = out.strip()
+    for run_id in (call_id, workload_id):
+        wait_state(store, run_id, ("RUNNING",), timeout=60)
+    start = time.monotonic()
+    cancel = cli_process("cancel", call_id, workload_id, "-o", "json")  # another terminal
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    assert [r["state"] for r in json.loads(cancel.stdout)] == ["CANCELED", "CANCELED"]
+    assert time.monotonic() - start < 45  # both sleep 120 s: stopped, not waited for
+    ends = []
+    for run_id in (call_id, workload_id):
+        run = store.get(run_id)
+        ends.append((run.state, run.message, run.attempts[-1].state, run.attempts[-1].message))
+        assert wait_no_processes(run_id) == []
+    assert ends == [("CANCELED", "canceled by the user", "CANCELED", "canceled by the user")] * 2
+    from gpufleet.detach import DetachedRunHandle
+
+    handle = DetachedRunHandle(next(p for p in (store.home / "detached").iterdir()), int(pid))
+    with pytest.raises(RunCanceledError, match=r"the run was canceled \(canceled by the user\)"):
+        handle.result(30)

@@ -22,11 +22,11 @@ from gpufleet.launch.policy import RetryPolicy
 from gpufleet.runs.calls import END_WAIT_S, CallKind
 from gpufleet.runs.liveline import render_status
 from gpufleet.runs.liveness import get_run
-from gpufleet.runs.recorder import CANCEL_REASON, RunRecorder
+from gpufleet.runs.recorder import RunRecorder
 from gpufleet.runs.records import RunRecord
 from gpufleet.runs.store import RunStore
 from gpufleet.runs.view import runs_table, status_line
-from gpufleet.states import CANCELED, FAILED, RUNNING, SUCCESS
+from gpufleet.states import CANCEL_REASON, CANCELED, FAILED, RUNNING, SUCCESS
 from gpufleet.workload.attempts import WorkloadKind
 from tests.unit.test_controller import FakeClock, FakeGroup, exited, ok
 from tests.workload.store_lock import store_locked
@@ -72,7 +72,7 @@ def test_a_call_and_a_workload_whose_first_attempt_fails_both_record_attempts_1_
 
     log = io.StringIO()
     run = _workload_run(store, tmp_path)
-    workload = RunRecorder(WorkloadKind(None, lambda: "canceled by the user"), store, run_id=run.id, log=log, max_attempts=2)
+    workload = RunRecorder(WorkloadKind(None), store, run_id=run.id, log=log, max_attempts=2)
     c = _controller(tmp_path, [FAIL, WIN], workload, RetryPolicy.for_workload(2))
     assert c.run() == ["a", "b"]
     stored = store.get(run.id)
@@ -126,27 +126,28 @@ def test_a_stored_cancel_request_cancels_a_call_but_is_left_to_a_workloads_super
     c.start()
     assert f"gpufleet-registry-{c.group.run_id}" in [t.name for t in threading.enumerate()]  # the call's reader
     store.request_cancel(c.group.run_id)
-    with pytest.raises(RunCanceledError, match=CANCEL_REASON.replace("`", ".")):
+    with pytest.raises(RunCanceledError, match=CANCEL_REASON):
         c.run()
-    assert store.get(c.group.run_id).state == CANCELED
+    assert (store.get(c.group.run_id).state, store.get(c.group.run_id).message) == (CANCELED, CANCEL_REASON)
 
     run = _workload_run(store, tmp_path)
-    workload = RunRecorder(WorkloadKind(None, lambda: "canceled by the user"), store, run_id=run.id)
+    workload = RunRecorder(WorkloadKind(None), store, run_id=run.id)
     c = _controller(tmp_path, endless, workload, RetryPolicy.for_workload(1))
     c.start()
     store.request_cancel(run.id)
     watching = [t.name for t in threading.enumerate() if t.name == f"gpufleet-registry-{run.id}"]
     assert watching == [] and not c.canceled and c.state == RUNNING  # nothing of the recorder reads the request
-    c.cancel("canceled by the user")
+    c.cancel(CANCEL_REASON)
     with pytest.raises(RunCanceledError):
         c.run()
-    assert store.get(run.id).attempts[0].state == CANCELED
+    attempt = store.get(run.id).attempts[0]
+    assert (attempt.state, attempt.message) == (CANCELED, CANCEL_REASON)  # the same words as the call's
 
 
 def test_the_watchdogs_note_is_the_running_runs_message_for_both_kinds(store: RunStore, tmp_path: Path) -> None:
     call = RunRecorder(_call_kind(), store)
     run = _workload_run(store, tmp_path)
-    workload = RunRecorder(WorkloadKind(None, lambda: "-"), store, run_id=run.id)
+    workload = RunRecorder(WorkloadKind(None), store, run_id=run.id)
     for recorder in (call, workload):
         group = FakeGroup(tmp_path, FakeClock(), [])
         recorder.before_start(group, 1)
@@ -166,4 +167,4 @@ def test_a_call_interrupted_while_its_ranks_start_is_stored_canceled(store: RunS
         c.start()
     [run] = store.list(states=None, filters={"kind": "call"})
     assert (c.state, recorder.ends[1].state, run.state, run.attempts[0].state) == (CANCELED,) * 4
-    assert run.message.startswith("RunCanceledError: the run was interrupted before its ranks started")
+    assert run.message == "interrupted (KeyboardInterrupt) before its ranks started"

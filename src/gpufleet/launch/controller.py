@@ -32,7 +32,7 @@ from ..errors import (
     RunCanceledError,
     WorkerGroupError,
 )
-from ..states import CANCELED, FAILED, PENDING, RUNNING, SUCCESS, TIMEDOUT, RunState
+from ..states import CANCEL_REASON, CANCELED, FAILED, PENDING, RUNNING, SUCCESS, TIMEDOUT, RunState
 from .failures import failed_error, load_values
 from .group import GroupStartCanceled, GroupStatus, WorkerGroup
 from .hangwatch.watchdog import HangSettings, Verdict, Watchdog, write_note
@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 #: How long the other ranks may still report after a first failure.
 SETTLE_S = 1.0
+#: Why a run stopped by a Ctrl-C (a notebook interrupt) in its caller was stopped.
+INTERRUPTED = "interrupted (KeyboardInterrupt)"
 
 _active: weakref.WeakSet[Controller] = weakref.WeakSet()
 
@@ -158,6 +160,7 @@ class Controller:
         self._clock = clock
         self._deadline: float | None = None if timeout_s is None else clock() + timeout_s
         self._cancel: tuple[str, float | None] | None = None
+        self._interrupted_by: str | None = None  # a Ctrl-C in the caller (not a cancel)
         self._cancel_asked = threading.Event()  # ends a pause between attempts
         self._lock = threading.Lock()
         self.attempt = 1
@@ -224,7 +227,7 @@ class Controller:
             self._interrupted()
             raise
 
-    def cancel(self, reason: str = "canceled by the user", grace_period_s: float | None = None) -> None:
+    def cancel(self, reason: str = CANCEL_REASON, grace_period_s: float | None = None) -> None:
         """Ask the run to stop every rank; :meth:`run` then ends CANCELED."""
         with self._lock:
             if self.finished.is_set() or self._cancel is not None:
@@ -239,6 +242,11 @@ class Controller:
     def canceled(self) -> bool:
         """Whether a cancel was asked for."""
         return self._cancel is not None
+
+    @property
+    def cancel_reason(self) -> str | None:
+        """Why the run was stopped by someone (a cancel's reason, a Ctrl-C), or None: what the store says of it."""
+        return self._cancel[0] if self._cancel is not None else self._interrupted_by
 
     def outcome(self) -> list[Any]:
         """The values of a finished run, or its error raised."""
@@ -277,6 +285,7 @@ class Controller:
             raise error from e
         except KeyboardInterrupt:  # Ctrl-C while the ranks start: the run is canceled, as after they started
             group.close(False)
+            self._interrupted_by = f"{INTERRUPTED} before its ranks started"
             error = RunCanceledError(
                 {}, group.num_ranks, str(group.run_dir.path), "the run was interrupted before its ranks started"
             )
@@ -419,7 +428,7 @@ class Controller:
         if self.finished.is_set() or group is None:
             return
         print(f"gpufleet: interrupted; stopping all {group.num_ranks} ranks of run {group.run_id}", file=sys.stderr)
-        reason = "interrupted (KeyboardInterrupt)"
+        reason = self._interrupted_by = INTERRUPTED
         status: GroupStatus | None = None
         try:
             try:

@@ -32,7 +32,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..states import PENDING, RunState
+from ..states import CANCELED, PENDING, RunState
 from .recorder import RunRecorder
 from .records import AttemptEnd, RunRecord
 
@@ -199,7 +199,10 @@ class CallKind:
             supervisor_started=origin["pid_started"], kind="call", origin=origin,
         )  # fmt: skip
 
-    def end_of(self, group: WorkerGroup, state: RunState, error: BaseException | None) -> AttemptEnd:
+    def end_of(self, group: WorkerGroup, state: RunState, error: BaseException | None,
+               cancel_reason: str | None) -> AttemptEnd:  # fmt: skip
+        if state == CANCELED and cancel_reason:
+            return AttemptEnd(state, None, cancel_reason)  # as a workload's: the exception says the rest
         return AttemptEnd(state, None, _message(error, group.spec.env))
 
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -263,7 +261,8 @@ def _follow(store: Any, run: Any, args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """``gpufleet cancel RUN_ID... | --all``."""
-    from .liveness import get_run, kill_run_processes, list_runs
+    from .cancel import end_unstarted, request_cancel
+    from .liveness import get_run, list_runs
     from .store import ACTIVE_STATES, PENDING, RunNotFoundError
 
     if bool(args.run_ids) == bool(args.all):
@@ -288,10 +287,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
                 results[run.id]["note"] += ("; its idle warm ranks gave their GPUs back" if freed
                                             else "; its idle warm ranks did not give their GPUs back")  # fmt: skip
             continue
-        signaled = _signal_supervisor(run)  # a RUNNING run stops at once, even while the store is busy
-        store.request_cancel(run.id)  # a PENDING run's supervisor reads it as it starts
-        if not signaled:
-            _signal_supervisor(store.get(run.id))  # it may have started meanwhile
+        request_cancel(store, run)
         waiting.append(run.id)
     deadline = time.monotonic() + (0 if args.no_wait else args.wait_timeout)
     while waiting:
@@ -306,10 +302,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     for rid in waiting:
         r = get_run(store, rid)
         if r.state == PENDING and args.no_wait is False:
-            # never picked up by a supervisor: cancel it here
-            store.finish_run(rid, CANCELED, message="canceled by the user before it started")
-            kill_run_processes(rid)
-            r = store.get(rid)
+            r = end_unstarted(store, rid)  # never picked up by a supervisor
         results[rid] = {"id": rid, "state": r.state, "canceled": r.state == CANCELED,
                         **({"note": "cancel requested; still stopping"} if r.is_active else {})}  # fmt: skip
     ordered = [results[r.id] for r in runs]
@@ -334,23 +327,3 @@ def _give_back_idle_gpus(run: Any) -> bool | None:
         return give_back_idle(run.id)
     except GpufleetError:
         return None
-
-
-def _signal_supervisor(run: Any) -> bool:
-    """SIGTERM the supervisor of a RUNNING run (its handler is in place before it is RUNNING).
-
-    The supervisor of a PENDING run may still be starting, and a SIGTERM then would kill it
-    instead of canceling the run; it reads the stored cancel request as it starts.
-    """
-    from .liveness import pid_alive
-    from .store import RUNNING
-
-    if run.state != RUNNING or not run.supervisor_pid or not pid_alive(run.supervisor_pid, run.supervisor_started):
-        return False
-    if run.is_call:  # its "supervisor" is the caller (a notebook kernel, say): it reads the stored request
-        return False
-    try:
-        os.kill(run.supervisor_pid, signal.SIGTERM)  # wakes it at once
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True

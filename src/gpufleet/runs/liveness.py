@@ -82,7 +82,7 @@ def supervisor_gone(run: RunRecord, now: float | None = None) -> tuple[str | Non
         if run.state == PENDING and now - run.created_at > START_GRACE_S:
             return "its supervisor process never started", False
         return None, False
-    who = "calling process" if run.is_call else "supervisor process"  # a call's caller stands for its supervisor
+    who = "supervisor process" if run.own_supervisor else "calling process"  # a call's caller stands for its supervisor
     if not pid_alive(run.supervisor_pid, run.supervisor_started):
         return f"its {who} (pid {run.supervisor_pid}) died", False
     beats = [t for t in (run.heartbeat_at, alive_at(run.run_dir)) if t is not None]

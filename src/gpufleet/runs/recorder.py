@@ -10,7 +10,9 @@ is data of a :class:`RunKind`, not code of its own:
   workload's attempts are rows of the one run its supervisor made and finishes;
 - the attempt's first state (a call's attempt is PENDING until its ranks run; a workload's
   supervisor is already RUNNING);
-- how an attempt's end reads in the store (:meth:`RunKind.end_of`);
+- how an attempt's end reads in the store (:meth:`RunKind.end_of`); a canceled attempt of either
+  kind says why it was stopped, the controller's cancel reason (``states.CANCEL_REASON``, "canceled
+  by the user", for ``gpufleet cancel``, a handle's ``cancel()`` and a SIGTERM to a supervisor);
 - who watches the stored cancel request: a call's caller may be a notebook kernel that no
   signal should reach, so the recorder reads the request once a second and cancels the
   controller; a workload's supervisor gets a signal and reads the request itself.
@@ -31,7 +33,7 @@ from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from ..launch.controller import ControllerCallback
-from ..states import RUNNING, RunState
+from ..states import CANCEL_REASON, RUNNING, RunState
 from .records import AttemptEnd, AttemptRecord, RunRecord
 
 if TYPE_CHECKING:
@@ -43,8 +45,6 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between two reads of a running call's record (a cancel request).
 POLL_S = 1.0
-#: The reason a run canceled through its stored request gives.
-CANCEL_REASON = "canceled with `gpufleet cancel`"
 
 
 class RunKind(Protocol):
@@ -61,8 +61,12 @@ class RunKind(Protocol):
         """The run row of an attempt (used when ``run_per_attempt``)."""
         ...
 
-    def end_of(self, group: WorkerGroup, state: RunState, error: BaseException | None) -> AttemptEnd:
-        """How an attempt that the controller ended in ``state`` with ``error`` reads in the store."""
+    def end_of(self, group: WorkerGroup, state: RunState, error: BaseException | None,
+               cancel_reason: str | None) -> AttemptEnd:  # fmt: skip
+        """How an attempt that the controller ended in ``state`` with ``error`` reads in the store.
+
+        ``cancel_reason`` is why the run was stopped (the controller's): a canceled attempt's message.
+        """
         ...
 
 
@@ -192,7 +196,8 @@ class RunRecorder(ControllerCallback):
         stop = self._stops.pop(attempt, None)
         if stop is not None:
             stop.set()
-        end = self.kind.end_of(group, state, error)
+        controller = self._controller
+        end = self.kind.end_of(group, state, error, controller.cancel_reason if controller is not None else None)
         self.ends[attempt] = end
         db = self._recording(group, attempt)
         if db is None:

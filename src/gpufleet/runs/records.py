@@ -138,6 +138,12 @@ class RunRecord:
         return self.kind == "call"
 
     @property
+    def own_supervisor(self) -> bool:
+        """Whether a process of gpufleet's own supervises the run (a workload's, a detached call's), so that a
+        SIGTERM may stop it; an in-process call's "supervisor" is its caller (a notebook kernel, say)."""
+        return not self.is_call or self.origin.get("detached_from") is not None
+
+    @property
     def log_name(self) -> str:
         """What one log file belongs to: ``rank`` (a call) or ``node`` (a workload)."""
         return "rank" if self.is_call else "node"

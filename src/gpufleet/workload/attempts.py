@@ -19,7 +19,7 @@ from typing import IO, Any
 from ..errors import EXIT, SIGNAL, DistributedHangError, WorkerGroupError
 from ..launch.group import GroupStartCanceled, WorkerGroup
 from ..runs.records import AttemptEnd, RunRecord
-from ..states import CANCELED, FAILED, RUNNING, SUCCESS, TIMEDOUT, RunState
+from ..states import CANCEL_REASON, CANCELED, FAILED, RUNNING, SUCCESS, TIMEDOUT, RunState
 from .nodes import WorkloadNodeGroup, failed_line
 from .schema import WorkloadConfig
 
@@ -125,15 +125,15 @@ class WorkloadKind:
     attempt_start_state = RUNNING
     watches_cancel = False  # the supervisor gets a signal, and reads the stored request itself
 
-    def __init__(self, timeout_minutes: float | None, cancel_reason: Callable[[], str]) -> None:
+    def __init__(self, timeout_minutes: float | None) -> None:
         self.timeout_minutes = timeout_minutes
-        self.cancel_reason = cancel_reason
 
     def new_run(self, group: WorkerGroup, attempt: int, first_run_id: str) -> RunRecord:
         raise AssertionError("a workload's run is made by `gpufleet run`, not per attempt")
 
-    def end_of(self, group: WorkerGroup, state: RunState, error: BaseException | None) -> AttemptEnd:
-        return attempt_end(group, state, error, self.timeout_minutes, self.cancel_reason())
+    def end_of(self, group: WorkerGroup, state: RunState, error: BaseException | None,
+               cancel_reason: str | None) -> AttemptEnd:  # fmt: skip
+        return attempt_end(group, state, error, self.timeout_minutes, cancel_reason or CANCEL_REASON)
 
 
 class WorkloadTracking:

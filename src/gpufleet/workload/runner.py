@@ -44,12 +44,13 @@ from ..launch.policy import RetryPolicy
 from ..launch.spec import LaunchSpec
 from ..private import UnsafeStateError, private_dir, private_file_opener
 from ..results import RunDir
+from ..runs.cancel import signal_reason
 from ..runs.liveness import process_start_time
 from ..runs.recorder import RunRecorder
 from ..runs.records import touch_alive, write_run_outcome
 from ..runs.store import HEARTBEAT_S, RunNotFoundError, RunStore, StoreError, store_wait_s
 from ..secrets import secret_env
-from ..states import CANCELED, FAILED, RunState
+from ..states import CANCEL_REASON, CANCELED, FAILED, RunState
 from .attempts import WorkloadKind, WorkloadTracking, workload_document
 from .executors import create_executor
 from .handoff import Handoff, HandoffMissing
@@ -82,7 +83,7 @@ class Supervisor:
         self.mlflow_run: dict[str, Any] | None = None  # attempt 1's, opened by `gpufleet run`
         self.run_dir = Path(self.run.run_dir)
         self.cancel_event = threading.Event()
-        self.cancel_reason = "canceled by the user"
+        self.cancel_reason = CANCEL_REASON
         self._stop_heartbeat = threading.Event()
 
     def _on_busy(self, message: str) -> None:
@@ -92,9 +93,7 @@ class Supervisor:
     # -- signals and heartbeat
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
-        self.cancel_reason = f"canceled ({signal.Signals(signum).name} to the supervisor)"
-        if signum == signal.SIGTERM:
-            self.cancel_reason = "canceled by the user"
+        self.cancel_reason = signal_reason(signum)
         self.cancel_event.set()
 
     def _heartbeat_loop(self) -> None:
@@ -237,7 +236,7 @@ class Supervisor:
         except HandoffMissing as e:
             return CANCELED, None, str(e)
         executor = create_executor(self.config)
-        recorder = RunRecorder(WorkloadKind(self.config.timeout_minutes, lambda: self.cancel_reason), self.store,
+        recorder = RunRecorder(WorkloadKind(self.config.timeout_minutes), self.store,
                                run_id=self.run.id, log=self.log, max_attempts=self.run.max_attempts)  # fmt: skip
         callbacks: list[ControllerCallback] = [recorder]
         if self.run.tracking:
