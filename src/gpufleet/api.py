@@ -22,6 +22,7 @@ from .options import LaunchOptions, make_options
 if TYPE_CHECKING:
     from .launch.controller import Controller
     from .launch.group import WorkerGroup
+    from .runs.calls import StoredCall
 
 logger = logging.getLogger(__name__)
 
@@ -227,8 +228,13 @@ class DistributedFunction:
                 "clients inside the function; nothing was launched."
             ) from e
 
-    def _controller(self, args: tuple[Any, ...], kwargs: dict[str, Any], live: bool = False) -> Controller:
-        """The controller of one call: its launch spec, its worker group, its tracking and (``live``) its live view."""
+    def _controller(self, args: tuple[Any, ...], kwargs: dict[str, Any], live: bool = False, *,
+                    stored: StoredCall | None = None) -> Controller:  # fmt: skip
+        """The controller of one call: its launch spec, its worker group, its tracking and (``live``) its live view.
+
+        ``stored``: the call is one stored run under a supervisor (a detached call): every attempt has its
+        id, attempt N's folder is ``attempts/N`` of its folder, and its recorder records them.
+        """
         from .faults import faults_env
         from .launch.controller import Controller
         from .launch.logstream import LogConfig
@@ -256,6 +262,13 @@ class DistributedFunction:
         view = choose_view(opts.live) if live else None
         env = {**live_env(view, watchdog_env(opts.hang_timeout)), **opts.env, **secret_env(secrets)}
         name = opts.name or getattr(self.func, "__name__", "run")
+
+        def attempt_run(attempt: int) -> tuple[str, Callable[[str], RunDir]]:
+            """The id of an attempt's run and how its folder is made."""
+            if stored is not None:
+                return stored.run_id, lambda _: RunDir.create(stored.run_dir / "attempts", str(attempt))
+            return new_run_id(name), lambda run_id: RunDir.create(opts.runs_dir, run_id)
+
         logs = LogConfig(enabled=opts.stream_logs, full_ranks=opts.log_ranks, stderr=opts.stream_stderr,
                          secrets=tuple(secrets.values()))  # fmt: skip
         make_group: Callable[[int], WorkerGroup]
@@ -267,9 +280,10 @@ class DistributedFunction:
 
             def make_group(attempt: int) -> WorkerGroup:
                 attempt_env = {**faults_env(opts.faults, attempt), **env}
-                spec = LaunchSpec(new_run_id(name), slurm.world_size, slurm.num_nodes, slurm.use_gpus,
+                run_id, run_dir = attempt_run(attempt)
+                spec = LaunchSpec(run_id, slurm.world_size, slurm.num_nodes, slurm.use_gpus,
                                   attempt=attempt, env=attempt_env, payload=payload)  # fmt: skip
-                return SlurmWorkerGroup(spec, RunDir.create(opts.runs_dir, spec.run_id), slurm, logs)
+                return SlurmWorkerGroup(spec, run_dir(run_id), slurm, logs)
         elif remote:
             from .launch.engines.ray.group import RayPlacement, RayWorkerGroup
 
@@ -277,8 +291,9 @@ class DistributedFunction:
 
             def make_group(attempt: int) -> WorkerGroup:
                 attempt_env = {**faults_env(opts.faults, attempt), **env}
-                spec = LaunchSpec(new_run_id(name), 0, attempt=attempt, env=attempt_env, payload=payload)
-                return RayWorkerGroup(spec, RunDir.create(opts.runs_dir, spec.run_id), ray_placement, logs)
+                run_id, run_dir = attempt_run(attempt)
+                spec = LaunchSpec(run_id, 0, attempt=attempt, env=attempt_env, payload=payload)
+                return RayWorkerGroup(spec, run_dir(run_id), ray_placement, logs)
         else:
             from .launch.engines.local.group import LocalPlacement, LocalWorkerGroup
             from .launch.gpus import resolve_local
@@ -297,11 +312,12 @@ class DistributedFunction:
             warm_key = self._warm_key(found.num_workers, placement)
 
             def make_group(attempt: int) -> WorkerGroup:
+                run_id, make_dir = attempt_run(attempt)
                 spec = LaunchSpec(
-                    new_run_id(name), found.num_workers, use_gpus=found.use_gpus, attempt=attempt,
+                    run_id, found.num_workers, use_gpus=found.use_gpus, attempt=attempt,
                     env={**faults_env(opts.faults, attempt), **env}, payload=payload,
                 )
-                run_dir = RunDir.create(opts.runs_dir, spec.run_id)
+                run_dir = make_dir(run_id)
                 if keep_warm > 0:
                     self._warm_keys.add(warm_key)
                     return WarmWorkerGroup(spec, run_dir, placement, logs, opts.grace_period_s, warm_key, keep_warm)
@@ -309,7 +325,8 @@ class DistributedFunction:
 
         from .runs.calls import call_recorder
 
-        callbacks: list[Any] = [call_recorder(self, launcher)]  # the run store's records
+        recorder = call_recorder(self, launcher) if stored is None else stored.recorder
+        callbacks: list[Any] = [recorder]  # the run store's records
         if view is not None:  # first among the hooks: its summary shows before tracking closes the run
             from .live.observer import LiveObserver
 

@@ -16,6 +16,10 @@ only stores a cancel request for a call (it never signals the caller, which may 
 kernel): the recorder reads the request once a second and cancels the run, and the caller gets
 :class:`~gpufleet.errors.RunCanceledError`.
 
+A detached call (``submit(..., detach=True)``) is one stored run under a supervisor of its own
+instead (``CallKind(..., one_run=True)``, :class:`StoredCall`): its attempts are rows of that run,
+as a workload's, its supervisor has a heartbeat and gets ``gpufleet cancel``'s signal.
+
 Recording never fails a call and never holds it up for long: each write waits at most
 ``$GPUFLEET_REGISTRY_WAIT_S`` (0.5 s) for a busy store, then is logged and skipped; how an
 attempt ended goes to ``outcome.json`` in its run folder when the store is busy, which the
@@ -30,9 +34,11 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..states import CANCELED, PENDING, RunState
+from ..states import CANCELED, PENDING, RUNNING, SUCCESS, RunState
 from .recorder import RunRecorder
 from .records import AttemptEnd, RunRecord
 
@@ -126,19 +132,6 @@ def call_origin() -> dict[str, Any]:
     return dict(found)
 
 
-def adopt_origin(origin: dict[str, Any]) -> None:
-    """Record this process's calls as coming from ``origin`` (a detached supervisor's caller), with its own pid."""
-    try:
-        import psutil
-
-        started: float | None = psutil.Process().create_time()
-    except Exception:  # noqa: BLE001
-        started = None
-    with _lock:
-        _origin.clear()
-        _origin.update({**origin, "pid": os.getpid(), "pid_started": started})
-
-
 def placement_of(group: WorkerGroup) -> dict[str, Any]:
     """What a started group got: this host's GPUs (or CPU processes), or Ray nodes."""
     placement = getattr(group, "placement", None)
@@ -165,13 +158,18 @@ def _message(error: BaseException | None, env: Mapping[str, str]) -> str | None:
 
 
 class CallKind:
-    """A decorated call's attempts: each a run of its own, PENDING until its ranks run, canceled by request."""
+    """A decorated call's attempts: each a run of its own, PENDING until its ranks run, canceled by request.
 
-    run_per_attempt = True
-    attempt_start_state = PENDING
-    watches_cancel = True
+    ``one_run``: the call is one stored run under a supervisor of its own (a detached call): its
+    attempts are rows of that run, as a workload's, and the supervisor reads the cancel request.
+    """
 
-    def __init__(self, function: Any, launcher: str) -> None:
+    records_ranks = True  # where its ranks run is recorded as they do
+
+    def __init__(self, function: Any, launcher: str, one_run: bool = False) -> None:
+        self.run_per_attempt = not one_run
+        self.attempt_start_state = RUNNING if one_run else PENDING
+        self.watches_cancel = not one_run
         opts = function.options
         self.name = opts.name or getattr(function.func, "__name__", "run")
         self.config = {
@@ -185,6 +183,7 @@ class CallKind:
             "remote": opts.remote if isinstance(opts.remote, str) else bool(opts.remote),
         }
         self.max_attempts = opts.max_retries + 1
+        self.world_size = opts.gpus if isinstance(opts.gpus, int) else len(opts.gpus or ())  # known once it runs
         from ..tracking import tracking_enabled
 
         self.tracking = bool(opts.tracking) and tracking_enabled()
@@ -199,11 +198,29 @@ class CallKind:
             supervisor_started=origin["pid_started"], kind="call", origin=origin,
         )  # fmt: skip
 
+    def stored_run(self, run_id: str, run_dir: Path, origin: dict[str, Any]) -> RunRecord:
+        """The PENDING record of a call that is one stored run (``one_run``), made before its supervisor starts."""
+        return RunRecord(
+            id=run_id, experiment=self.name, state=PENDING, created_at=time.time(),
+            config={**self.config, "call_id": run_id, "detached": True}, run_dir=str(run_dir), num_nodes=1,
+            world_size=self.world_size, max_attempts=self.max_attempts, tracking=self.tracking, kind="call",
+            origin=origin,
+        )  # fmt: skip
+
     def end_of(self, group: WorkerGroup, state: RunState, error: BaseException | None,
                cancel_reason: str | None) -> AttemptEnd:  # fmt: skip
         if state == CANCELED and cancel_reason:
             return AttemptEnd(state, None, cancel_reason)  # as a workload's: the exception says the rest
-        return AttemptEnd(state, None, _message(error, group.spec.env))
+        return AttemptEnd(state, 0 if state == SUCCESS else None, _message(error, group.spec.env))
+
+
+@dataclass(frozen=True)
+class StoredCall:
+    """A call that is one stored run under a supervisor of its own (a detached call, :mod:`gpufleet.detached_run`)."""
+
+    run_id: str
+    run_dir: Path
+    recorder: RunRecorder
 
 
 def call_recorder(function: Any, launcher: str) -> RunRecorder:

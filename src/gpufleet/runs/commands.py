@@ -221,6 +221,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
              "logs": [{"name": name, "path": str(p), "lines": tail_lines(p, args.lines)} for name, p in files]}
         )  # fmt: skip
         return 0
+    if args.setup:  # each file's lines with its name: [environment] / [supervisor]
+        for name, path in files:
+            sys.stdout.writelines(f"[{name}] {line}\n" for line in tail_lines(path, args.lines))
+        sys.stdout.flush()
+        return 0
     # what --follow prints of a finished run: each line with its [node N] / [rank N] prefix
     # (none with --node), and a separator before each attempt
     for prefix, line in log_lines(run, node=args.node, attempt=args.attempt, num_lines=args.lines):

@@ -14,7 +14,6 @@ import re
 import socket
 import sys
 import time
-from pathlib import Path
 from typing import IO, Any
 
 from .records import RunRecord
@@ -106,7 +105,7 @@ def call_details(run: RunRecord, out: IO[str]) -> None:
     for k, v in lines:
         out.write(f"{k:<{width}}  {v}\n")
     for r in range(run.world_size):
-        out.write(f"  rank {r} log: {Path(run.run_dir) / f'rank-{r}.log'}\n")
+        out.write(f"  rank {r} log: {run.log_dir / f'rank-{r}.log'}\n")
 
 
 # ------------------------------------------------------------------ ps

@@ -56,6 +56,9 @@ class RunKind(Protocol):
     attempt_start_state: RunState
     #: The recorder reads the stored cancel request and cancels the controller.
     watches_cancel: bool
+    #: Where the ranks run (their pids and logs, the GPUs or nodes) is recorded once they do (a call's; a
+    #: workload's node group describes its nodes as they start).
+    records_ranks: bool
 
     def new_run(self, group: WorkerGroup, attempt: int, first_run_id: str) -> RunRecord:
         """The run row of an attempt (used when ``run_per_attempt``)."""
@@ -173,24 +176,27 @@ class RunRecorder(ControllerCallback):
             self._try(self._run_of(group), "the start", lambda: db.update_attempt(self._run_of(group), attempt, **fields))
 
     def on_running(self, group: WorkerGroup, attempt: int) -> None:
-        """A run of its own attempt is RUNNING with where its ranks run: told by the controller, so that
+        """Where a call's ranks run, and a run of its own attempt is RUNNING: told by the controller, so that
         an attempt that ends within a poll of its start (a short call on Slurm or Ray) has its placement too."""
         db = self._recording(group, attempt)
-        if db is None or not self.kind.run_per_attempt:
+        if db is None or not self.kind.records_ranks:
             return  # a workload's supervisor made its run RUNNING, and its attempt row is
         from .calls import placement_of
 
         now = time.time()
+        run_id = self._run_of(group)
         nodes = [{"node_rank": r, "rank": r, "pid": pid, "log_path": str(group.log_path(r))}
                  for r, pid in enumerate(group.pids)]  # fmt: skip
+        # a run of its own attempt starts RUNNING now; a run of attempts (its supervisor's) already is
+        started = {"state": RUNNING, "started_at": now} if self.kind.run_per_attempt else {}
 
         def mark() -> None:
-            db.update_run(group.run_id, state=RUNNING, started_at=now, world_size=group.num_ranks,
-                          num_nodes=group.num_nodes or 1, placement=placement_of(group))  # fmt: skip
-            db.update_attempt(group.run_id, attempt, state=RUNNING, started_at=now, nodes=nodes,
-                              mlflow_run_id=group.mlflow_run_id)  # fmt: skip
+            db.update_run(run_id, world_size=group.num_ranks, num_nodes=group.num_nodes or 1,
+                          placement=placement_of(group), **started)  # fmt: skip
+            db.update_attempt(run_id, attempt, state=RUNNING, nodes=nodes, mlflow_run_id=group.mlflow_run_id,
+                              **({"started_at": now} if started else {}))  # fmt: skip
 
-        self._try(group.run_id, "the start", mark)
+        self._try(run_id, "the start", mark)
 
     def on_end(self, group: WorkerGroup, attempt: int, state: RunState, error: BaseException | None) -> None:
         stop = self._stops.pop(attempt, None)

@@ -193,5 +193,10 @@ class RunRecord:
         d["mlflow_run_ids"] = self.mlflow_run_ids()
         d["log_paths"] = self.attempts[-1].log_paths() if self.attempts else []
         if self.is_call:
-            d["log_paths"] = [str(Path(self.run_dir) / f"rank-{r}.log") for r in range(self.world_size)]
+            d["log_paths"] = [str(self.log_dir / f"rank-{r}.log") for r in range(self.world_size)]
         return d
+
+    @property
+    def log_dir(self) -> Path:
+        """The folder of the latest attempt's logs (a call's own run folder when its attempt is the run)."""
+        return Path(self.attempts[-1].log_dir) if self.attempts else Path(self.run_dir)

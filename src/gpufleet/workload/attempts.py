@@ -124,6 +124,7 @@ class WorkloadKind:
     run_per_attempt = False
     attempt_start_state = RUNNING
     watches_cancel = False  # the supervisor gets a signal, and reads the stored request itself
+    records_ranks = False  # its node group describes its nodes as they start
 
     def __init__(self, timeout_minutes: float | None) -> None:
         self.timeout_minutes = timeout_minutes

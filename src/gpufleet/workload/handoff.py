@@ -1,6 +1,7 @@
-"""How ``gpufleet run`` starts a run's supervisor and hands it what must not touch the disk.
+"""How ``gpufleet run`` hands a run's supervisor what must not touch the disk.
 
-The supervisor is a detached process (``python -m gpufleet.workload.runner``). Secret values
+The supervisor is a detached process (``python -m gpufleet.workload.runner``, started by
+:func:`gpufleet.runs.supervisor.start_supervisor`). Secret values
 and the first attempt's MLflow run reach it through a pipe on its stdin, one JSON document
 ending with a ``complete`` mark, never through a file or its command line. ``gpufleet run``
 starts the supervisor before the document is ready (MLflow is still opening the run) and writes
@@ -14,38 +15,9 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 from ..errors import GpufleetError
-from ..private import private_file_opener
-
-
-def start_supervisor(run_id: str, home: Path, run_dir: Path, handoff_follows: bool = False) -> subprocess.Popen[bytes]:
-    """Start the detached supervisor of a run; it outlives the calling process.
-
-    With ``handoff_follows`` its stdin is a pipe that :func:`hand_over` writes once: secret
-    values and the first attempt's MLflow run go to it that way, never through a file or its
-    command line. The supervisor gets ready meanwhile and reads the pipe before the first
-    attempt starts.
-    """
-    log = open(run_dir / "supervisor.log", "ab", opener=private_file_opener)  # noqa: SIM115 - the child holds it
-    env = dict(os.environ)
-    env["GPUFLEET_RUN_ID"] = run_id
-    argv = [sys.executable, "-m", "gpufleet.workload.runner", run_id, "--home", str(home)]
-    try:
-        return subprocess.Popen(
-            argv + (["--handoff-stdin"] if handoff_follows else []),
-            stdin=subprocess.PIPE if handoff_follows else subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # no terminal signals, survives the CLI
-            close_fds=True,
-            env=env,
-        )
-    finally:
-        log.close()
 
 
 def hand_over(proc: subprocess.Popen[bytes], handoff: dict[str, Any]) -> None:

@@ -281,9 +281,10 @@ def submit_run(
     """
     from ..codeversion import code_version
     from ..errors import GPUUnavailableError
+    from ..runs.supervisor import start_supervisor
     from .attempts import CODE_VERSION_KEY, MLFLOW_KEY
     from .executors import check_executor_available
-    from .handoff import hand_over, start_supervisor
+    from .handoff import hand_over
 
     p = Path(path)
     config, root = load_and_check(p, overrides)
@@ -346,7 +347,7 @@ def submit_run(
             snapshot(root, code_dir, config.code_source.include_paths, entries=entries)
         _write_private(run_dir / "hyperparameters.yaml", config.parameters)
         _write_private(run_dir / "workload.yaml", resolved.model_dump(mode="json"))
-        proc = start_supervisor(run_id, store.home, run_dir, handoff_follows=bool(secrets) or opening is not None)
+        proc = start_supervisor("gpufleet.workload.runner", run_id, store.home, run_dir, handoff_follows=bool(secrets) or opening is not None)
     except BaseException as e:
         store.finish_run(run_id, FAILED, message=f"could not start the run: {e}")
         if opening is not None:
