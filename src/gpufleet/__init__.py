@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import errors, runtime
-from .api import DistributedFunction, RunHandle, distributed
+from .api import DistributedFunction, distributed
 from .errors import (
     DistributedHangError,
     DistributedTimeoutError,
@@ -22,6 +22,7 @@ from .errors import (
     WorkerGroupError,
     WorkerSignalError,
 )
+from .handles import RunHandle, StoredRunHandle, run_handle
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,8 @@ __all__ = [
     "errors",
     "DistributedFunction",
     "RunHandle",
+    "StoredRunHandle",
+    "run_handle",
     "GpufleetError",
     "LaunchConfigError",
     "GPUUnavailableError",

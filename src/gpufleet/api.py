@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .errors import LaunchConfigError, PayloadPicklingError
+from .handles import RunHandle, from_ranks
 from .options import LaunchOptions, make_options
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["distributed", "DistributedFunction", "RunHandle", "LaunchOptions"]
+__all__ = ["distributed", "DistributedFunction", "LaunchOptions"]
 
 
 def _describe(obj: Any) -> str:
@@ -62,93 +63,6 @@ def _find_unpicklable(func: Callable[..., Any], args: tuple[Any, ...], kwargs: d
             pass
         return f"the function {getattr(func, '__qualname__', func)!r}: {e}"
     return "an object of the call (cloudpickle gave no detail)"
-
-
-def _from_ranks(error: Exception) -> bool:
-    """Whether ``error`` is a run's error (a rank's own exception or a worker group's).
-
-    Such an error is raised again without its traceback inside gpufleet: the caller's traceback
-    then ends in one gpufleet frame, and the ranks' own traceback is the error's ``__cause__``.
-    """
-    from .errors import WorkerGroupError
-
-    return isinstance(error, WorkerGroupError) or hasattr(error, "gpufleet_error")
-
-
-class RunHandle:
-    """A run started by :meth:`DistributedFunction.submit`.
-
-    Attributes:
-        run_id: id of the current attempt's run.
-    """
-
-    def __init__(self, controller: Controller) -> None:
-        self._controller = controller
-
-    @property
-    def _group(self) -> WorkerGroup:
-        group = self._controller.group
-        assert group is not None
-        return group
-
-    @property
-    def status(self) -> str:
-        """PENDING, RUNNING, SUCCESS, FAILED, CANCELED or TIMEDOUT."""
-        return self._controller.state
-
-    @property
-    def run_id(self) -> str:
-        return self._group.run_id
-
-    @property
-    def mlflow_run_id(self) -> str | None:
-        """The current attempt's MLflow run id (None when tracking is off)."""
-        return self._group.mlflow_run_id
-
-    @property
-    def run_dir(self) -> str:
-        """The current attempt's run directory (logs live here)."""
-        return str(self._group.run_dir.path)
-
-    @property
-    def pids(self) -> list[int]:
-        """Process ids of the current attempt's ranks."""
-        return self._group.pids
-
-    def done(self) -> bool:
-        return self._controller.finished.is_set()
-
-    def result(self, timeout: float | None = None) -> list[Any]:
-        """Wait for the run; per-rank results, or the run's error raised here."""
-        if not self._controller.finished.wait(timeout):
-            raise TimeoutError(f"run {self.run_id} is still {self.status} after {timeout} s")
-        try:
-            return self._controller.outcome()
-        except Exception as e:
-            if _from_ranks(e):
-                raise e.with_traceback(None) from e.__cause__  # one gpufleet frame between caller and ranks
-            raise
-
-    def cancel(self, wait: float | None = 30.0) -> None:
-        """Stop every rank; ``result()`` then raises :class:`~gpufleet.errors.RunCanceledError`.
-
-        Returns once the run has ended (``status`` is then ``CANCELED``, or the state it had
-        reached first), or after ``wait`` seconds; ``wait=0`` only asks for the stop.
-        """
-        self._controller.cancel()
-        if wait:
-            self._controller.finished.wait(wait)
-
-    def logs(self, rank: int = 0) -> str:
-        """What rank ``rank`` printed so far (stdout and stderr), from its log file."""
-        return self._group.logs(rank)
-
-    def stacks(self) -> dict[int, str]:
-        """Every running rank's current stack (all threads), by rank; needs the hang watchdog on (the default)."""
-        return self._group.stacks()
-
-    def __repr__(self) -> str:
-        return f"RunHandle(run_id={self.run_id!r}, status={self.status!r})"
 
 
 class DistributedFunction:
@@ -385,7 +299,7 @@ class DistributedFunction:
         try:
             return controller.run()
         except Exception as e:
-            if _from_ranks(e):
+            if from_ranks(e):
                 raise e.with_traceback(None) from e.__cause__  # one gpufleet frame between caller and ranks
             raise
 
@@ -394,7 +308,7 @@ class DistributedFunction:
 
         A program that ends while the run goes on stops it, saying so on stderr. With
         ``detach=True`` the run goes to a supervisor process of its own instead and outlives
-        this one (:class:`~gpufleet.detach.DetachedRunHandle`; ``gpufleet logs RUN_ID --follow``).
+        this one (:class:`~gpufleet.handles.StoredRunHandle`; ``gpufleet logs RUN_ID --follow``).
         ``detach`` is not passed to the function.
         """
         if detach:

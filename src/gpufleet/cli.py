@@ -22,7 +22,7 @@ from collections.abc import Sequence
 # the workload's own commands, then those of every run (calls and workloads), then the tools
 _COMMAND_MODULES = {
     "gpufleet.workload.commands": ("run", "validate", "schema"),
-    "gpufleet.runs.commands": ("get", "list", "logs", "cancel"),
+    "gpufleet.runs.commands": ("get", "list", "logs", "wait", "cancel"),
     "gpufleet.runs.ps": ("ps",),
     "gpufleet.stacks": ("stacks",),
     "gpufleet.strategies.advisor_cli": ("advise",),

@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .handles import RESULT_FILE
 from .runs.supervisor import Supervisor, supervise
 from .states import CANCELED, FAILED, SUCCESS, RunState
 
 JOB_FILE = "job.pkl"
-RESULT_FILE = "result.pkl"
 
 
 class CallRun:

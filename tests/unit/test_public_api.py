@@ -18,6 +18,7 @@ def test_public_api_is_pinned():
     assert sorted(gpufleet.__all__) == sorted(
         [
             "distributed", "ray_launch", "runtime", "errors", "DistributedFunction", "RunHandle",
+            "StoredRunHandle", "run_handle",
             "GpufleetError", "LaunchConfigError", "GPUUnavailableError", "PayloadPicklingError",
             "WorkerGroupError", "WorkerSignalError", "WorkerExitError", "DistributedTimeoutError",
             "RunCanceledError", "SchedulingTimeoutError", "DistributedHangError", "__version__",
@@ -86,7 +87,7 @@ def test_cli_surface_is_pinned():
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert set(sub.choices) == {"run", "get", "list", "logs", "cancel", "validate", "schema", "advise", "doctor", "stacks", "ps"}
+    assert set(sub.choices) == {"run", "get", "list", "logs", "wait", "cancel", "validate", "schema", "advise", "doctor", "stacks", "ps"}
 
 
 def test_every_gpufleet_exception_is_a_gpufleet_error():

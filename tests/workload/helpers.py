@@ -122,3 +122,27 @@ def tiny_wheel(folder: Path, name: str = "gfnodedemo", value: str = "installed o
             z.writestr(member, data)
         z.writestr(f"{name}-0.1.dist-info/RECORD", record)
     return path
+
+
+def detach_script(tmp_path: Path, body: str) -> str:
+    """Run a script that defines ``train`` (``body``), submits it detached and ends; the run's id."""
+    import textwrap
+
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body) + "\nprint(train.submit(detach=True).run_id, flush=True)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert f"run {done.stdout.strip()} runs detached" in done.stderr
+    return done.stdout.strip()
+
+
+#: A call of two CPU ranks that print "waiting" and sleep for two minutes (for ``detach_script``).
+SLEEPER = """
+    from gpufleet import distributed
+
+    @distributed(gpus=2, gpu_type="cpu", tracking=False)
+    def train():
+        import time
+        print("waiting", flush=True)
+        time.sleep(120)
+"""

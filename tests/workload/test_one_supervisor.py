@@ -6,22 +6,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from gpufleet.detach import DetachedRunHandle
+from gpufleet import run_handle
 from gpufleet.errors import RunCanceledError, WorkerGroupError
 from gpufleet.runs.store import RunStore
 from tests.workload.helpers import (
-    REPO,
+    SLEEPER,
     cli,
     cli_json,
     cli_process,
+    detach_script,
     wait_no_processes,
     wait_state,
     wait_until,
@@ -41,31 +39,10 @@ def _no_tracking(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUFLEET_TRACKING", "0")
 
 
-def _detach(tmp_path: Path, body: str) -> str:
-    """Run a script that submits ``train`` detached and ends; the run's id."""
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(body) + "\nprint(train.submit(detach=True).run_id, flush=True)\n")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert done.returncode == 0, done.stderr
-    assert f"run {done.stdout.strip()} runs detached" in done.stderr
-    return done.stdout.strip()
-
-
-SLEEPER = """
-    from gpufleet import distributed
-
-    @distributed(gpus=2, gpu_type="cpu", tracking=False)
-    def train():
-        import time
-        print("waiting", flush=True)
-        time.sleep(120)
-"""
-
-
 def test_a_detached_call_and_a_workload_run_show_the_same_fields_in_get_json(
     tmp_path: Path, store: RunStore, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    call_id = _detach(tmp_path, """
+    call_id = detach_script(tmp_path, """
         from gpufleet import distributed
 
         @distributed(gpus=2, gpu_type="cpu", tracking=False)
@@ -99,7 +76,7 @@ def test_a_detached_call_and_a_workload_run_show_the_same_fields_in_get_json(
 def test_a_detached_call_and_a_workload_whose_first_attempt_fails_both_report_attempts_1_and_2(
     tmp_path: Path, store: RunStore, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    call_id = _detach(tmp_path, """
+    call_id = detach_script(tmp_path, """
         from gpufleet import distributed
 
         @distributed(gpus=2, gpu_type="cpu", tracking=False, max_retries=1)
@@ -122,14 +99,14 @@ def test_a_detached_call_and_a_workload_whose_first_attempt_fails_both_report_at
         assert [a.log_dir for a in run.attempts] == [str(Path(run.run_dir) / "attempts" / n) for n in ("1", "2")]
         assert wait_no_processes(run_id) == []
     assert "RuntimeError: attempt 1 fails" in store.get(call_id).attempts[0].message
-    assert DetachedRunHandle(call_id).result(30) == [2, 2]  # one id for both attempts: the handle sees the last
+    assert run_handle(call_id).result(30) == [2, 2]  # one id for both attempts: the handle sees the last
     assert len(store.list(states=None, filters={"kind": "call"})) == 1  # not a record per attempt
 
 
 def test_a_detached_run_goes_on_after_the_script_and_is_followed_with_logs(
     tmp_path: Path, store: RunStore, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    run_id = _detach(tmp_path, """
+    run_id = detach_script(tmp_path, """
         from gpufleet import distributed
 
         @distributed(gpus=2, gpu_type="cpu", tracking=False)
@@ -145,15 +122,15 @@ def test_a_detached_run_goes_on_after_the_script_and_is_followed_with_logs(
     run = wait_state(store, run_id)
     assert run.state == "SUCCESS" and run.origin["path"] == str(tmp_path / "script.py")
     assert wait_no_processes(run_id) == []
-    handle = DetachedRunHandle(run_id)  # found again from another process by its id
+    handle = run_handle(run_id)  # found again from another process by its id
     assert handle.result(30) == [0, 1] and handle.status == "SUCCESS"
 
 
 def test_a_detached_handle_reads_stacks_and_cancels_a_running_call_from_another_process(
     tmp_path: Path, store: RunStore
 ) -> None:
-    call_id = _detach(tmp_path, SLEEPER)
-    handle = DetachedRunHandle(call_id)  # this process did not start it
+    call_id = detach_script(tmp_path, SLEEPER)
+    handle = run_handle(call_id)  # this process did not start it
     wait_until("rank 1 prints", lambda: "waiting" in handle.logs(1), timeout=60)
     assert handle.status == "RUNNING" and not handle.done() and handle.pid
     stacks = handle.stacks()
@@ -169,7 +146,7 @@ def test_a_detached_handle_reads_stacks_and_cancels_a_running_call_from_another_
 def test_a_cancel_from_another_terminal_ends_a_detached_call_and_a_workload_the_same_way(
     tmp_path: Path, store: RunStore, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    call_id = _detach(tmp_path, SLEEPER)
+    call_id = detach_script(tmp_path, SLEEPER)
     code, out, err = cli(capsys, "run", "-f", str(write_workload(tmp_path, command="sleep 120")), "--no-tracking")
     assert code == 0, err
     workload_id = out.strip()
@@ -187,14 +164,14 @@ def test_a_cancel_from_another_terminal_ends_a_detached_call_and_a_workload_the_
         assert wait_no_processes(run_id) == []
     assert ends == [("CANCELED", "canceled by the user", "CANCELED", "canceled by the user")] * 2
     with pytest.raises(RunCanceledError, match=r"the run was canceled \(canceled by the user\)"):
-        DetachedRunHandle(call_id).result(30)
+        run_handle(call_id).result(30)
 
 
 def test_a_detached_call_whose_supervisor_was_killed_is_failed_and_its_result_raises_not_waits(
     tmp_path: Path, store: RunStore
 ) -> None:
-    run_id = _detach(tmp_path, SLEEPER)
-    handle = DetachedRunHandle(run_id)
+    run_id = detach_script(tmp_path, SLEEPER)
+    handle = run_handle(run_id)
     wait_until("rank 0 prints", lambda: "waiting" in handle.logs(0), timeout=60)
     pid = handle.pid
     assert pid is not None

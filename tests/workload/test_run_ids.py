@@ -46,7 +46,7 @@ def test_the_store_finds_exact_ids_and_unique_prefixes_only(runs: RunStore) -> N
     assert not isinstance(e.value, RunIdError)
 
 
-@pytest.mark.parametrize("command", ["get", "logs", "cancel"])
+@pytest.mark.parametrize("command", ["get", "logs", "wait", "cancel"])
 @pytest.mark.parametrize(
     ("run_id", "code", "says"),
     [

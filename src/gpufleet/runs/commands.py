@@ -1,10 +1,11 @@
-"""The run commands of the CLI: get, list, logs, cancel, for calls and workloads alike.
+"""The run commands of the CLI: get, list, logs, wait, cancel, for calls and workloads alike.
 
 Exit codes: 0 success; 1 a run id that names no run, a cancel that did not finish in time, or
 an error; 2 bad arguments (a run id that is empty, a prefix shorter than 6 characters or an
 ambiguous one), or a state folder or run store that cannot be used (someone else's, read-only,
 damaged, locked for too long). :data:`EXIT_CODES` maps a finished run's state to the exit code
-of the commands that wait for a run (``gpufleet run --watch``).
+of the commands that wait for a run (``gpufleet run --watch``, ``gpufleet wait``; 3: still running at
+``wait --timeout``).
 
 One concern, the surface of these commands: arguments, text and JSON output, exit codes. What
 they show is made in :mod:`.view` and :mod:`.ps`; what they read, through :mod:`.liveness`.
@@ -23,6 +24,8 @@ from ..states import CANCELED, FAILED, SUCCESS, TIMEDOUT, RunState
 from .ps import add_list_filters, list_filters
 
 EXIT_CODES = {SUCCESS: 0, FAILED: 1, TIMEDOUT: 124, CANCELED: 130}
+#: ``gpufleet wait --timeout``: the run was still PENDING or RUNNING.
+EXIT_STILL_ACTIVE = 3
 EXIT_INVALID = 2
 
 
@@ -39,7 +42,7 @@ def common_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register get, list, logs and cancel on the ``gpufleet`` parser."""
+    """Register get, list, logs, wait and cancel on the ``gpufleet`` parser."""
     p = subparsers.add_parser("get", help="show one run")
     p.add_argument("run_id", help="run id (or a unique prefix of at least 6 characters)")
     common_options(p)
@@ -68,6 +71,12 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument("--setup", action="store_true", help="the environment set-up and supervisor logs")
     common_options(p)
     p.set_defaults(handler=cmd_logs)
+
+    p = subparsers.add_parser("wait", help="wait until a run ends; exits with its end's code")
+    p.add_argument("run_id", help="run id (or a unique prefix of at least 6 characters)")
+    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (exit 3)")
+    common_options(p)
+    p.set_defaults(handler=cmd_wait)
 
     p = subparsers.add_parser("cancel", help="cancel runs (stops every process of each run)")
     p.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="run ids (or unique prefixes of at least 6 characters)")
@@ -259,6 +268,31 @@ def _follow(store: Any, run: Any, args: argparse.Namespace) -> int:
         return not_found(e, args)
     err(f"gpufleet: run {final.id} {final.state}")
     return 0
+
+
+# ------------------------------------------------------------------ wait
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    """``gpufleet wait RUN_ID [--timeout S]``: the run's end, with :data:`EXIT_CODES`; 3 if it still runs at the timeout."""
+    from .liveness import get_run
+    from .store import RunNotFoundError
+
+    store = open_store(args)
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    while True:
+        try:
+            run = get_run(store, args.run_id)
+        except RunNotFoundError as e:
+            return not_found(e, args)
+        if not run.is_active or (deadline is not None and time.monotonic() >= deadline):
+            break
+        time.sleep(0.5)
+    if args.output == "json":
+        print_json(run.to_dict())
+    else:
+        print(f"{run.id}\t{run.state}" + (f"\t{run.message}" if run.message and not run.is_active else ""))
+    return EXIT_CODES.get(run.state, 1) if not run.is_active else EXIT_STILL_ACTIVE
 
 
 # ------------------------------------------------------------------ cancel
