@@ -37,7 +37,8 @@ case "$part" in
     step recipes; bash recipes/run_gpu_smoke.sh "$out" 2>&1 | tail -60
     ;;
   engines)
-    # the local engine on one GPU: a call, warm ranks, the lease hand-off, two workloads on one GPU, a workload recipe
+    # the local engine on one GPU: a call, warm ranks, the lease hand-off, two workloads on one GPU, a detached
+    # call (its handle from another process, gpufleet wait), a workload recipe
     name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
     case "$name" in *H200*) acc=GPU_1xH200 ;; *) acc=GPU_1xH100 ;; esac
     step hello; $py benchmarks/hello_gpus.py 2>&1 | tail -2
@@ -61,6 +62,20 @@ PY
     b=$(cd "$out/wl" && $py -m gpufleet.cli run -f w.yaml --no-tracking | tail -1); sleep 4
     $py -m gpufleet.cli ps 2>&1 | tail -5
     for r in $a $b; do $py -m gpufleet.cli logs "$r" --follow 2>&1 | tail -2; $py -m gpufleet.cli get "$r" 2>&1 | grep -i state; done
+    step detached call; rid=$($py - <<'PY'
+import os, sys, time
+from gpufleet import distributed
+def where():
+    import torch
+    x = torch.ones(1024, 1024, device="cuda")
+    return os.environ["CUDA_VISIBLE_DEVICES"], torch.cuda.get_device_name(0), float((x @ x).sum())
+t = time.perf_counter(); h = distributed(where, gpus=1, tracking=False).submit(detach=True)
+print(f"submitted in {time.perf_counter() - t:.2f} s", file=sys.stderr); print(h.run_id)
+PY
+)
+    t0=$(date +%s.%N); $py -m gpufleet.cli wait "$rid"; echo "wait rc=$? after $(echo "$(date +%s.%N) - $t0" | bc) s"
+    $py -c "import sys; from gpufleet import run_handle; h = run_handle(sys.argv[1]); print(h.status, h.result(60))" "$rid"
+    $py -m gpufleet.cli get "$rid" -o json | $py -c "import json, sys; r = json.load(sys.stdin); print(r['state'], r['placement'], [(a['attempt'], a['state']) for a in r['attempts']])"
     step workload recipe; ONLY=fsdp2-qwen-27b-packing ACCELERATOR=$acc NUM_ACCELERATORS=1 bash recipes/run_gpu_smoke.sh "$out/smoke" 2>&1 | tail -4
     ;;
 esac
