@@ -32,7 +32,7 @@ from ..errors import LaunchConfigError
 from ..launch.engines.base import Unit
 from ..launch.engines.ray import engine as ray_engine
 from ..launch.engines.ray.engine import RayEngine, RayProc
-from ..launch.node.envs import DEPENDENCIES_ENV
+from ..launch.node import envcontract
 from .schema import WorkloadConfig
 
 __all__ = ["RayExecutor", "create_executor"]
@@ -105,7 +105,7 @@ class RayExecutor(RayEngine):
         env = {k: v for k, v in unit.env.items() if k not in _NODE_OWN}
         env["GPUFLEET_SUPERVISOR_BIN"] = unit.env.get("PATH", "").split(os.pathsep)[0]
         if self.config.environment.dependencies:  # a node that does not see the supervisor's bin builds its own
-            env[DEPENDENCIES_ENV] = json.dumps(self.config.environment.dependencies)
+            env[envcontract.DEPENDENCIES] = json.dumps(self.config.environment.dependencies)
         shipped: dict[str, bytes] = dict(files or {})
         params = unit.env.get("HYPERPARAMETERS_PATH")
         if params and os.path.exists(params):

@@ -31,8 +31,10 @@ from typing import IO
 
 if __package__:
     from ...errors import GpufleetError
+    from . import envcontract
     from .procgroup import terminate_group
-else:  # run by path on a node: the standard library and the helper beside this file only
+else:  # run by path on a node: the standard library and the helpers beside this file only
+    import envcontract  # type: ignore[no-redef]
     from procgroup import terminate_group  # type: ignore[no-redef]
 
     class GpufleetError(Exception):  # type: ignore[no-redef]
@@ -249,13 +251,9 @@ def _run(cmd: list[str], log: IO[str], cancel: threading.Event | None = None) ->
         )
 
 
-#: A node command's dependencies (JSON list), for nodes that build the run's environment themselves.
-DEPENDENCIES_ENV = "GPUFLEET_DEPENDENCIES"
-
-
 def node_envs_dir() -> Path:
     """Where a node keeps its environments: ``$GPUFLEET_HOME/envs`` (default ``~/.gpufleet``)."""
-    return Path(os.environ.get("GPUFLEET_HOME") or Path.home() / ".gpufleet") / "envs"
+    return Path(os.environ.get(envcontract.HOME) or Path.home() / ".gpufleet") / "envs"
 
 
 def node_main() -> int:
@@ -263,8 +261,8 @@ def node_main() -> int:
 
     pip's output goes to stderr, which is the node's log; the ``bin`` folder is the last line of stdout.
     """
-    dependencies = json.loads(os.environ[DEPENDENCIES_ENV])
-    code_dir = Path(os.environ.get("CODE_SOURCE_PATH") or os.getcwd())  # requirement files are read there
+    dependencies = json.loads(os.environ[envcontract.DEPENDENCIES])
+    code_dir = Path(os.environ.get(envcontract.CODE_SOURCE_PATH) or os.getcwd())  # requirement files are read there
     try:
         bin_dir = ensure_environment(dependencies, node_envs_dir(), sys.stderr, base_dir=code_dir)
     except EnvironmentSetupError as e:

@@ -30,36 +30,32 @@ import threading
 from collections.abc import Callable, Mapping
 
 if __package__:
+    from . import envcontract
     from .adopted import become_subreaper, stop_descendants, wait_descendants
     from .procgroup import terminate_group
     from .ranklines import RankLines
 else:  # run by path: this file's folder is the first entry of sys.path
+    import envcontract  # type: ignore[no-redef]
     from adopted import become_subreaper, stop_descendants, wait_descendants  # type: ignore[no-redef]
     from procgroup import terminate_group  # type: ignore[no-redef]
     from ranklines import RankLines  # type: ignore[no-redef]
 
 _POLL_S = 0.25
 _GRACE_S = 5.0
-#: Names of the environment variables that hold secrets (``gpufleet.secrets.SECRETS_ENV``).
-SECRETS_ENV = "GPUFLEET_SECRETS"
 MASK = b"***"
 #: Seconds the guard keeps copying output after the command exited (what it started may hold the pipe).
 _DRAIN_S = 2.0
-#: The faults an attempt rehearses (``gpufleet.faults.FAULTS_ENV``).
-FAULTS_ENV = "GPUFLEET_FAULTS"
-#: Its ``sitecustomize`` arms them in every rank the command starts (``gpufleet/fault_boot``).
-#: The attempt's "the scheduler ends the job soon" file (``gpufleet.launch.engines.slurm.job.PREEMPT_FILE_ENV``).
-PREEMPT_FILE_ENV = "GPUFLEET_PREEMPT_FILE"
 #: Seconds the ranks that outlive their launcher get to finish a preemption's checkpoint (the
 #: scheduler's grace time usually ends them sooner).
 _CHECKPOINT_WAIT_S = 300.0
+#: The faults' ``sitecustomize`` arms them in every rank the command starts (``gpufleet/fault_boot``).
 FAULT_BOOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fault_boot")
 
 
 def fault_boot_env(env: Mapping[str, str]) -> dict[str, str]:
     """With faults to rehearse: ``PYTHONPATH`` with :data:`FAULT_BOOT` first, so that every rank
     arms them as it starts, also one whose code never calls into gpufleet. Otherwise nothing."""
-    if not env.get(FAULTS_ENV):
+    if not env.get(envcontract.FAULTS):
         return {}
     return {"PYTHONPATH": os.pathsep.join(p for p in [FAULT_BOOT, env.get("PYTHONPATH", "")] if p)}
 
@@ -102,7 +98,7 @@ class Masker:
 
 def secret_values(environ: dict[str, str] | os._Environ[str]) -> list[bytes]:
     """The values of the variables named in ``GPUFLEET_SECRETS``."""
-    names = [n for n in environ.get(SECRETS_ENV, "").split(",") if n]
+    names = [n for n in environ.get(envcontract.SECRETS, "").split(",") if n]
     return [os.fsencode(environ[n]) for n in names if environ.get(n)]
 
 
@@ -155,7 +151,7 @@ def _checkpointing_for_the_scheduler() -> bool:
     A rank marks it only once its main thread runs Python again (not inside a collective), which
     may be after torchrun has gone: this guard's own SIGTERM says it at once.
     """
-    path = os.environ.get(PREEMPT_FILE_ENV)
+    path = os.environ.get(envcontract.PREEMPT_FILE)
     if not path or os.path.exists(os.path.join(os.path.dirname(path), "canceled.json")):
         return False
     if _TERMINATED:

@@ -27,9 +27,11 @@ import tempfile
 import threading
 from collections.abc import Callable, Mapping
 
-#: ``0`` turns the rank prefix off (torchrun's workers then write into the node's log themselves).
-RANK_PREFIX_ENV = "GPUFLEET_RANK_PREFIX"
-_TORCHRUN_LOG_ENVS = ("PET_REDIRECTS", "PET_TEE", "PET_LOG_DIR")
+if __package__:
+    from . import envcontract
+else:  # run by path (the node guard imports it so): this file's folder is the first entry of sys.path
+    import envcontract  # type: ignore[no-redef]
+
 _STREAMS = ("stdout.log", "stderr.log")
 #: Largest single write: a pipe (a Ray node's log) takes up to this much at once without interleaving.
 _WRITE_MAX = 4096
@@ -107,17 +109,17 @@ class RankLines:
     @classmethod
     def for_node(cls, environ: Mapping[str, str], out_fd: int, mask: Callable[[bytes], bytes] | None = None) -> RankLines | None:
         """A copier for the node whose environment is ``environ``; None when turned off."""
-        if environ.get(RANK_PREFIX_ENV, "1") == "0" or any(e in environ for e in _TORCHRUN_LOG_ENVS):
+        if environ.get(envcontract.RANK_PREFIX, "1") == "0" or any(e in environ for e in envcontract.TORCHRUN_LOG_VARS):
             return None
         try:
-            first = int(environ.get("NODE_RANK", "0")) * int(environ.get("LOCAL_WORLD_SIZE", "1"))
+            first = int(environ.get(envcontract.NODE_RANK, "0")) * int(environ.get(envcontract.LOCAL_WORLD_SIZE, "1"))
         except ValueError:
             first = 0
         return cls(out_fd, first, mask)
 
     def child_env(self) -> dict[str, str]:
         """What the command's environment gets: torchrun's redirection of every worker into the folder."""
-        return {"PET_REDIRECTS": "3", "PET_LOG_DIR": self.folder}
+        return {envcontract.PET_REDIRECTS: "3", envcontract.PET_LOG_DIR: self.folder}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="gpufleet-rank-lines", daemon=True)

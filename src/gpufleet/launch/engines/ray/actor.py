@@ -24,7 +24,7 @@ from typing import IO, Any
 
 from ....results import RunDir, read_outcome
 from ... import node as node_helpers
-from ...node.envs import DEPENDENCIES_ENV
+from ...node import envcontract
 from ...ports import find_free_port
 from ...proctree import popen_in_own_group, stop_tree
 from ...spec import PARENT_PID_ENV, Payload, default_threads
@@ -279,7 +279,7 @@ class NodeCommand(ChildProcess):
             path.write_bytes(data)
             full_env[name] = str(path)
         node_dir = Path(node_helpers.__file__).resolve().parent  # run by path: stdlib only
-        if env.get(DEPENDENCIES_ENV) and not os.path.isdir(run_bin):
+        if env.get(envcontract.DEPENDENCIES) and not os.path.isdir(run_bin):
             # This node does not see the run's environment: it builds its own (cached per spec
             # under this node's GPUFLEET_HOME), its pip output in the node's log, then the command
             # runs with that environment first on PATH.
