@@ -31,9 +31,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .errors import LaunchConfigError
+from .launch.node import envcontract
 
 #: The environment variable that carries the faults (a JSON list) to every rank.
-FAULTS_ENV = "GPUFLEET_FAULTS"
+FAULTS_ENV = envcontract.FAULTS
 ACTIONS = ("kill", "hang", "exit", "slow")
 
 __all__ = ["FAULTS_ENV", "Fault", "check_fit", "fault_problems", "faults_env", "fit_problems", "parse_faults"]

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from .errors import GpufleetError
+from .launch.node import envcontract
 
 __all__ = [
     "MASK",
@@ -32,7 +33,7 @@ __all__ = [
 ]
 
 #: Names (comma-separated) of the environment variables of a process that hold secrets.
-SECRETS_ENV = "GPUFLEET_SECRETS"
+SECRETS_ENV = envcontract.SECRETS
 MASK = "***"
 MAX_SECRET_BYTES = 1 << 20
 SOURCES = ("env", "file")

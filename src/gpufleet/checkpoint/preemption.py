@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..launch.engines.slurm.job import CANCELED_FILE, PREEMPT_FILE_ENV
+from ..launch.engines.slurm.job import CANCELED_FILE
+from ..launch.node import envcontract
 
 __all__ = ["preemption_requested", "watch_termination"]
 
@@ -47,7 +48,7 @@ _last_work: Any = None
 
 def _on_sigterm(signum: int, _frame: object) -> None:
     global _terminated_at
-    path = Path(os.environ.get(PREEMPT_FILE_ENV, ""))
+    path = Path(os.environ.get(envcontract.PREEMPT_FILE, ""))
     if (path.parent / CANCELED_FILE).exists():  # gpufleet ends the attempt: end now, as without a handler
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -75,7 +76,7 @@ def watch_termination() -> bool:
     has its default action (a handler of the training code's own is left alone). Returns whether
     ``SIGTERM`` is now watched.
     """
-    if not os.environ.get(PREEMPT_FILE_ENV) or threading.current_thread() is not threading.main_thread():
+    if not os.environ.get(envcontract.PREEMPT_FILE) or threading.current_thread() is not threading.main_thread():
         return False
     current = signal.getsignal(signal.SIGTERM)
     if current is _on_sigterm:
@@ -92,7 +93,7 @@ def preemption_requested(process_group: Any = None) -> bool:
 
     Call it on every rank at the same point of each step (it is a collective under Slurm).
     """
-    path = os.environ.get(PREEMPT_FILE_ENV)
+    path = os.environ.get(envcontract.PREEMPT_FILE)
     if not path:
         return False
     here = _terminated_at is not None or os.path.exists(path)

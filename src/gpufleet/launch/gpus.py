@@ -11,6 +11,7 @@ import warnings
 from dataclasses import dataclass
 
 from ..errors import GPUUnavailableError, LaunchConfigError
+from .node import envcontract
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def _apply_visible_devices(gpus: list[GPUInfo]) -> list[GPUInfo]:
 
 #: Test override of discovery: ``GPUFLEET_FAKE_GPUS=N`` makes this machine have N fake GPUs
 #: (named ``Fake GPU``, uuids ``GPU-fake-0000``...), leased like real ones; nothing touches CUDA.
-FAKE_GPUS_ENV = "GPUFLEET_FAKE_GPUS"
+FAKE_GPUS_ENV = envcontract.FAKE_GPUS
 
 
 def fake_gpus() -> list[GPUInfo] | None:

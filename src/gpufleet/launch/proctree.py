@@ -18,8 +18,10 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .node import envcontract
+
 #: Environment variable that marks every process of a run.
-RUN_ID_ENV = "GPUFLEET_RUN_ID"
+RUN_ID_ENV = envcontract.RUN_ID
 _KILL_WAIT_S = 5.0
 
 

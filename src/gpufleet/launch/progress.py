@@ -22,9 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .node import envcontract
+
 #: Set for ranks whose progress the launcher watches: how often (seconds) a rank rewrites its
 #: progress file in its run folder (``GPUFLEET_RUN_DIR``).
-PROGRESS_INTERVAL_ENV = "GPUFLEET_PROGRESS_S"
+PROGRESS_INTERVAL_ENV = envcontract.PROGRESS_S
 STACKS_SIGNAL = signal.SIGUSR2
 
 _lock = threading.Lock()

@@ -15,12 +15,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .node import envcontract
+
 #: Set in each rank's environment: the caller's pid (a rank ends itself when its caller is gone).
-PARENT_PID_ENV = "GPUFLEET_PARENT_PID"
+PARENT_PID_ENV = envcontract.PARENT_PID
 #: Set in each rank's environment when part of it comes after the start: the file that will hold
 #: it (JSON, written whole). The rank waits for it before it loads the call, then adds it to
 #: ``os.environ``; the call sees one environment either way.
-LATE_ENV_VAR = "GPUFLEET_LATE_ENV"
+LATE_ENV_VAR = envcontract.LATE_ENV
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,10 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
+from .node import envcontract
+
 #: Set to 1 in a rank's environment to keep gpufleet's own frames in the traceback it sends back.
-FULL_TRACEBACK_ENV = "GPUFLEET_FULL_TRACEBACK"
+FULL_TRACEBACK_ENV = envcontract.FULL_TRACEBACK
 #: Source files larger than this are not shipped (their frames keep file and line, no text).
 MAX_SOURCE_BYTES = 2 * 2**20
 

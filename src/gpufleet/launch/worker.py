@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..results import ERROR, OK, RunDir, write_outcome
+from .node import envcontract
 from .spec import LATE_ENV_VAR, PARENT_PID_ENV, Payload
 from .tracebacks import format_exception, register_sources
 
@@ -218,7 +219,7 @@ def _last_barrier(timeout_s: float = 60.0) -> None:
 
 
 #: Set by the local launcher: rank 0 hosts the rendezvous store on the loopback interface.
-LOOPBACK_STORE_ENV = "GPUFLEET_LOOPBACK_STORE"
+LOOPBACK_STORE_ENV = envcontract.LOOPBACK_STORE
 _store: Any = None  # the store rank 0 hosts, kept for the life of the process
 
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 import os
 import sys
 
+from ..launch.node import envcontract
 from .feed import live_off
 
 __all__ = ["choose_view", "live_env", "LIVE_ENV"]
 
 #: ``GPUFLEET_LIVE=0`` switches the live view off everywhere.
-LIVE_ENV = "GPUFLEET_LIVE"
+LIVE_ENV = envcontract.LIVE
 #: How often (seconds) the ranks rewrite their progress records while a live view watches.
 LIVE_PROGRESS_S = 0.5
 

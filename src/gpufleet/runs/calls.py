@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..launch.node import envcontract
 from ..states import CANCELED, PENDING, RUNNING, SUCCESS, RunState
 from .recorder import RunRecorder
 from .records import AttemptEnd, RunRecord
@@ -47,8 +48,8 @@ if TYPE_CHECKING:
     from .store import RunStore
 
 
-REGISTRY_ENV = "GPUFLEET_REGISTRY"
-WAIT_ENV = "GPUFLEET_REGISTRY_WAIT_S"
+REGISTRY_ENV = envcontract.REGISTRY
+WAIT_ENV = envcontract.REGISTRY_WAIT_S
 #: Seconds a record waits for a busy store before it is skipped.
 DEFAULT_WAIT_S = 0.5
 #: Seconds the end of an attempt waits for a busy store before it goes to the run folder's outcome file.

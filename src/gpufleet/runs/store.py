@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..errors import GpufleetError
+from ..launch.node import envcontract
 from ..private import private_dir
 from ..results import gpufleet_home
 from ..states import (  # noqa: F401 - re-exported for the modules that read runs
@@ -60,7 +61,7 @@ __all__ = [
 HEARTBEAT_S = 2.0
 #: Seconds a CLI command waits for a store that another process keeps locked (``GPUFLEET_STORE_WAIT_S``).
 DEFAULT_WAIT_S = 30.0
-WAIT_ENV = "GPUFLEET_STORE_WAIT_S"
+WAIT_ENV = envcontract.STORE_WAIT_S
 #: A run id given by prefix must have at least this many characters.
 MIN_PREFIX = 6
 #: Milliseconds SQLite itself waits for a lock before the store's own backoff takes over.

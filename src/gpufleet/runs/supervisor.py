@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
+from ..launch.node import envcontract
 from ..private import private_file_opener
 from ..states import CANCEL_REASON, CANCELED, FAILED, RunState
 from .cancel import signal_reason
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 
 #: Seconds a supervisor waits for a locked run store in one write (``GPUFLEET_SUPERVISOR_STORE_WAIT_S``).
 STORE_WAIT_S = 600.0
-STORE_WAIT_ENV = "GPUFLEET_SUPERVISOR_STORE_WAIT_S"
+STORE_WAIT_ENV = envcontract.SUPERVISOR_STORE_WAIT_S
 #: Seconds a supervisor keeps trying to record a run's outcome in the store (at least).
 FINISH_WAIT_S = 600.0
 LOG_FILE = "supervisor.log"

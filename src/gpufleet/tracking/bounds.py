@@ -27,10 +27,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import GpufleetError
+from ..launch.node import envcontract
 
 T = TypeVar("T")
 
-WAIT_ENV = "GPUFLEET_TRACKING_WAIT_S"
+WAIT_ENV = envcontract.TRACKING_WAIT_S
 DEFAULT_WAIT_S = 30.0
 PROBE_S = 3.0
 VERDICT_S = 30.0  # how long one probe's verdict is reused for the same server

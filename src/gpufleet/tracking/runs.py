@@ -27,12 +27,13 @@ from types import TracebackType
 from typing import Any
 
 from ..errors import GpufleetError
+from ..launch.node import envcontract
 from ..results import gpufleet_home
 from .bounds import TrackingStalledError, bounded, unreachable
 
 logger = logging.getLogger(__name__)
 
-TRACKING_ENV = "GPUFLEET_TRACKING"
+TRACKING_ENV = envcontract.TRACKING
 DEFAULT_EXPERIMENT = "gpufleet"
 INSTALL_HINT = "pip install 'gpufleet[mlflow]'"
 

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..launch.node import envcontract
 from .schema import Problem, WorkloadValidationError
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,8 @@ def _secrets_file(rel: str, include_paths: list[str] | None) -> bool:
 #: The run store's file; a folder holding one (a SQLite database) is a gpufleet state folder.
 STORE_FILE = "runs.db"
 
-MAX_FILES_ENV = "GPUFLEET_SNAPSHOT_MAX_FILES"
-MAX_BYTES_ENV = "GPUFLEET_SNAPSHOT_MAX_BYTES"
+MAX_FILES_ENV = envcontract.SNAPSHOT_MAX_FILES
+MAX_BYTES_ENV = envcontract.SNAPSHOT_MAX_BYTES
 DEFAULT_MAX_FILES = 10_000
 DEFAULT_MAX_BYTES = 2**30
 

@@ -27,13 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import LaunchConfigError
+from ..node import envcontract
 from . import activity
 from .diagnosis import Diagnosis, diagnose
 
 logger = logging.getLogger(__name__)
 
-FLOOR_ENV = "GPUFLEET_HANG_FLOOR_S"
-FACTOR_ENV = "GPUFLEET_HANG_FACTOR"
+FLOOR_ENV = envcontract.HANG_FLOOR_S
+FACTOR_ENV = envcontract.HANG_FACTOR
 #: Looks at each rank (group, progress records, now) -> each rank's :class:`activity.Sample`.
 Sampler = Callable[[Any, Mapping[int, Mapping[str, Any]], float], dict[int, activity.Sample]]
 #: Steps every rank must have reached before the fast path learns (the first one may compile).

@@ -25,12 +25,13 @@ from dataclasses import dataclass
 
 from ...errors import LaunchConfigError
 from ..gpus import FAKE_GPUS_ENV, GPUInfo
+from ..node import envcontract
 
-IGNORE_FOREIGN_ENV = "GPUFLEET_IGNORE_FOREIGN_GPU_PROCESSES"
+IGNORE_FOREIGN_ENV = envcontract.IGNORE_FOREIGN_GPU_PROCESSES
 #: Test override of NVML's process list on fake GPUs: ``"0=1234,1=5678:512:0"`` (GPU index = pid[:MiB:util %]).
-FAKE_PROCESSES_ENV = "GPUFLEET_FAKE_GPU_PROCESSES"
-BUSY_MEMORY_ENV = "GPUFLEET_FOREIGN_GPU_MEMORY_MIB"
-BUSY_UTIL_ENV = "GPUFLEET_FOREIGN_GPU_UTIL_PERCENT"
+FAKE_PROCESSES_ENV = envcontract.FAKE_GPU_PROCESSES
+BUSY_MEMORY_ENV = envcontract.FOREIGN_GPU_MEMORY_MIB
+BUSY_UTIL_ENV = envcontract.FOREIGN_GPU_UTIL_PERCENT
 #: A process outside gpufleet with at least this much GPU memory (MiB) makes its GPU busy
 #: (a bare CUDA context of PyTorch is about 500 MiB; one that loaded cuDNN/cuBLAS kernels, up to ~1 GiB).
 BUSY_MEMORY_MIB = 2048

@@ -33,8 +33,9 @@ from typing import Any
 from ...errors import LaunchConfigError
 from ...printable import printable
 from ..gpus import FAKE_GPUS_ENV, GPUInfo
+from ..node import envcontract
 
-LEASE_DIR_ENV = "GPUFLEET_LEASE_DIR"
+LEASE_DIR_ENV = envcontract.LEASE_DIR
 _MAX_INFO = 4096
 
 

@@ -235,7 +235,7 @@ class RankProcess(ChildProcess):
 
 
 #: Set in a node actor's environment when Ray ships the workload's code snapshot to its node.
-SHIPPED_CODE_ENV = "GPUFLEET_SHIPPED_CODE"
+SHIPPED_CODE_ENV = envcontract.SHIPPED_CODE
 _BUILD_THEN_RUN = (
     'bin=$("$GPUFLEET_NODE_PYTHON" "$GPUFLEET_ENVS_PY" | tail -n 1) && [ -d "$bin" ] || exit 97\n'
     'export PATH="$bin:$PATH" VIRTUAL_ENV="$(dirname "$bin")"\n'

@@ -36,12 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ....errors import GpufleetError, LaunchConfigError
+from ...node import envcontract
 
 __all__ = ["CANCELED_FILE", "PREEMPT_FILE_ENV", "PREEMPTED_FILE", "SlurmJob", "SlurmOptions", "SlurmError", "slurm_options"]
 
 #: The ranks' environment: the file whose existence means "checkpoint now, the job ends soon"
 #: (read by :mod:`gpufleet.checkpoint.preemption`).
-PREEMPT_FILE_ENV = "GPUFLEET_PREEMPT_FILE"
+PREEMPT_FILE_ENV = envcontract.PREEMPT_FILE
 #: In the attempt's folder: written by the batch step when Slurm signals the job to stop.
 PREEMPTED_FILE = "preempted.json"
 #: In the attempt's folder: written by gpufleet before it ends the job itself (its SIGTERM is no preemption).
