@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import LaunchConfigError
+from .launch.node import envcontract
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class RayDriverEntry:
 
         if runtime.get_global_rank() != 0:
             return None  # rank 0's head owns this node's GPUs; nothing to do here
-        if os.environ.get("GPUFLEET_RAY_REMOTE"):  # RAY_ADDRESS points at an existing cluster
+        if os.environ.get(envcontract.RAY_REMOTE):  # RAY_ADDRESS points at an existing cluster
             import ray
 
             # connected as with a cluster started here, so the same driver code runs either way
@@ -226,13 +227,13 @@ def ray_launch(
                     UserWarning,
                     stacklevel=3,
                 )
-            env = {**dict(options.pop("env", {}) or {}), "RAY_ADDRESS": str(address), "GPUFLEET_RAY_REMOTE": "1",
-                   "GPUFLEET_LOOPBACK_STORE": "0"}  # fmt: skip
+            env = {**dict(options.pop("env", {}) or {}), "RAY_ADDRESS": str(address), envcontract.RAY_REMOTE: "1",
+                   envcontract.LOOPBACK_STORE: "0"}  # fmt: skip
             return distributed(entry, gpus=1, gpu_type="cpu", remote=False, timeout=timeout, env=env, **options)
         # the Ray head's GCS listens on MASTER_PORT: no rendezvous store of gpufleet's there. The
         # cluster is this machine's alone: Ray (whose default registers the machine's network
         # address, even for a node started on 127.0.0.1) keeps it on loopback.
-        env = {**dict(options.pop("env", {}) or {}), "GPUFLEET_LOOPBACK_STORE": "0", _RAY_ONE_MACHINE: "0"}
+        env = {**dict(options.pop("env", {}) or {}), envcontract.LOOPBACK_STORE: "0", _RAY_ONE_MACHINE: "0"}
         return distributed(entry, gpus=gpus, gpu_type=gpu_type, remote=False, timeout=timeout, env=env, **options)
 
     if func is not None:

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .launch.node import envcontract
+
 
 def _python(proc: Any) -> bool:
     try:
@@ -43,7 +45,7 @@ def find_processes(run_id: str) -> list[tuple[Any, dict[str, str]]]:
             env = proc.environ()
         except (psutil.Error, OSError):
             continue
-        if env.get("GPUFLEET_RUN_ID") == run_id and _python(proc):
+        if env.get(envcontract.RUN_ID) == run_id and _python(proc):
             found.append((proc, env))
     return found
 
@@ -94,7 +96,7 @@ def _faulthandler(proc: Any, env: dict[str, str]) -> str | None:
     """A rank gpufleet launched dumps its own stack into stacks-R.txt on SIGUSR2 (once its handler is in)."""
     from .launch.progress import request_stacks
 
-    folder, rank = env.get("GPUFLEET_RUN_DIR"), env.get("RANK")
+    folder, rank = env.get(envcontract.RUN_DIR), env.get("RANK")
     if not folder or rank is None or not Path(folder, f"progress-{rank}.json").exists():
         return None
     return request_stacks(proc.pid, Path(folder, f"stacks-{rank}.txt"))
@@ -119,7 +121,7 @@ def collect(run_id: str, home: str | None = None, stored: bool = True) -> tuple[
             "host": os.uname().nodename,
             "rank": int(env["RANK"]) if env.get("RANK", "").isdigit() else None,
             "node_rank": env.get("NODE_RANK"), "pid": proc.pid,
-            "command": " ".join(proc.cmdline())[:200], "stack": stack, "run_dir": env.get("GPUFLEET_RUN_DIR"),
+            "command": " ".join(proc.cmdline())[:200], "stack": stack, "run_dir": env.get(envcontract.RUN_DIR),
         })  # fmt: skip
     found.sort(key=lambda p: (p["rank"] is None, p["rank"] if p["rank"] is not None else 0, p["pid"]))
     return rid, found

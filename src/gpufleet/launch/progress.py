@@ -166,7 +166,7 @@ def reset() -> None:
 
 def _write_now() -> None:
     """Rewrite the progress file at once (a section began or ended), where progress is watched."""
-    folder = os.environ.get("GPUFLEET_RUN_DIR")
+    folder = os.environ.get(envcontract.RUN_DIR)
     if _progress_path is None or not folder:
         return
     try:
@@ -226,7 +226,7 @@ def start(rank: int, stacks_dir: str | None = None) -> None:
     from .. import faults
 
     faults.arm(rank)
-    folder = os.environ.get("GPUFLEET_RUN_DIR")
+    folder = os.environ.get(envcontract.RUN_DIR)
     if not folder or not os.environ.get(PROGRESS_INTERVAL_ENV):
         return
     global _stack_file, _progress_path
@@ -238,7 +238,7 @@ def start(rank: int, stacks_dir: str | None = None) -> None:
     def loop() -> None:
         while True:
             try:
-                write_progress(Path(os.environ["GPUFLEET_RUN_DIR"]) / f"progress-{rank}.json")
+                write_progress(Path(os.environ[envcontract.RUN_DIR]) / f"progress-{rank}.json")
             except Exception:  # noqa: BLE001 - never disturb the rank
                 pass
             time.sleep(interval)
@@ -248,7 +248,7 @@ def start(rank: int, stacks_dir: str | None = None) -> None:
 
 def flush(rank: int) -> None:
     """Write this rank's progress record now (its last step, as the call ends), if progress is watched."""
-    folder = os.environ.get("GPUFLEET_RUN_DIR")
+    folder = os.environ.get(envcontract.RUN_DIR)
     if _started and folder and os.environ.get(PROGRESS_INTERVAL_ENV):
         try:
             write_progress(Path(folder) / f"progress-{rank}.json")

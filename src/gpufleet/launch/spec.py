@@ -163,17 +163,17 @@ class LaunchSpec:
         ``RANK`` and ``LOCAL_RANK`` are not in it: a node command's launcher (torchrun) sets them.
         """
         env = dict(self.env)
-        env.update(
-            WORLD_SIZE=str(self.world_size),
-            LOCAL_WORLD_SIZE=str(local_world_size),
-            NODE_RANK=str(node_rank),
-            NUM_NODES=str(self.num_nodes),
-            MASTER_ADDR=rendezvous.addr,
-            MASTER_PORT=str(rendezvous.port),
-            PYTHONUNBUFFERED="1",
-            GPUFLEET_RUN_ID=self.run_id,
-            GPUFLEET_ATTEMPT=str(self.attempt),
-        )
+        env.update({
+            envcontract.WORLD_SIZE: str(self.world_size),
+            envcontract.LOCAL_WORLD_SIZE: str(local_world_size),
+            envcontract.NODE_RANK: str(node_rank),
+            envcontract.NUM_NODES: str(self.num_nodes),
+            envcontract.MASTER_ADDR: rendezvous.addr,
+            envcontract.MASTER_PORT: str(rendezvous.port),
+            "PYTHONUNBUFFERED": "1",
+            envcontract.RUN_ID: self.run_id,
+            envcontract.ATTEMPT: str(self.attempt),
+        })
         if not self.use_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU workers must not pick up a GPU by accident
         return env

@@ -22,6 +22,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..launch.node import envcontract
+
 #: The file of rank R's metrics in its run folder.
 METRICS_FILE = "metrics-{rank}.jsonl"
 #: Lines waiting for the writer thread, at most.
@@ -36,12 +38,12 @@ _writer: dict[str, Any] = {"thread": None, "fd": None, "path": None}
 
 def live_off() -> bool:
     """Whether ``GPUFLEET_LIVE`` switches the live view off (``0``, ``false``, ``no``, ``off``)."""
-    return os.environ.get("GPUFLEET_LIVE", "").strip().lower() in ("0", "false", "no", "off")
+    return os.environ.get(envcontract.LIVE, "").strip().lower() in ("0", "false", "no", "off")
 
 
 def record_metrics(metrics: Mapping[str, Any], step: int | None, number: Callable[[Any], float], rank: int = 0) -> None:
     """Queue ``metrics`` (converted with ``number``; those that are not finite numbers are left out)."""
-    folder = os.environ.get("GPUFLEET_RUN_DIR")
+    folder = os.environ.get(envcontract.RUN_DIR)
     if not folder or live_off():
         return
     try:

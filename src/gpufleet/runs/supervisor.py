@@ -65,7 +65,7 @@ def start_supervisor(module: str, run_id: str, home: Path, run_dir: Path,
     """
     log = open(run_dir / LOG_FILE, "ab", opener=private_file_opener)  # noqa: SIM115 - the child holds it
     env = dict(os.environ)
-    env["GPUFLEET_RUN_ID"] = run_id  # its own processes are the run's (stacks, the liveness check's stop)
+    env[envcontract.RUN_ID] = run_id  # its own processes are the run's (stacks, the liveness check's stop)
     argv = [sys.executable, "-m", module, run_id, "--home", str(home)]
     try:
         return subprocess.Popen(

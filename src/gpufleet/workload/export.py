@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import LaunchConfigError
+from ..launch.node import envcontract
 
 __all__ = ["RESULTS_DIR", "export_call", "load_results"]
 
@@ -302,7 +303,7 @@ def export_call(function: Any, path: str | os.PathLike[str], args: tuple[Any, ..
     header = (
         f"# gpufleet workload exported from the @distributed call {how}.\n"
         f"# Run it: gpufleet run -f {yaml_path.name} [--watch] [--override compute.cluster=ray://HEAD:10001]\n"
-        f"# Results: $GPUFLEET_RUN_DIR/{RESULTS_DIR}/results.pkl (gpufleet.workload.export.load_results(RUN_ID)).\n"
+        f"# Results: ${envcontract.RUN_DIR}/{RESULTS_DIR}/results.pkl (gpufleet.workload.export.load_results(RUN_ID)).\n"
         "# timeout_minutes is per attempt here (the decorator's timeout covered every attempt).\n"
     )
     yaml_path.write_text(header + yaml.safe_dump(document, sort_keys=False, allow_unicode=True))

@@ -24,6 +24,7 @@ from ..errors import GpufleetError, RankFailure
 from ..launch import failures
 from ..launch.engines.base import GRACE_PERIOD_S, Engine, Proc, Unit
 from ..launch.group import GroupStartCanceled, GroupStatus, WorkerGroup
+from ..launch.node import envcontract
 from ..launch.spec import LaunchSpec, Rendezvous, default_threads
 from ..results import OK, RunDir
 from .schema import WorkloadConfig
@@ -198,7 +199,7 @@ class WorkloadNodeGroup(WorkerGroup):
         """Progress of the ranks that use gpufleet (``progress-RANK.json`` in the run folder), this attempt's only."""
         from ..launch.progress import PROGRESS_INTERVAL_ENV, read_progress
 
-        folder = self.spec.env.get("GPUFLEET_RUN_DIR")
+        folder = self.spec.env.get(envcontract.RUN_DIR)
         now = time.monotonic()
         if not folder or PROGRESS_INTERVAL_ENV not in self.spec.env or now - self._progress_read < 1.0:
             return dict(self._progress)

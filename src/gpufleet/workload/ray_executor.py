@@ -61,7 +61,7 @@ class RayExecutor(RayEngine):
     def __init__(self, config: WorkloadConfig, address: str) -> None:
         c = config.compute
         bundle = {"CPU": float(c.per_node)} if c.gpu_type is None else {"GPU": float(c.per_node), "CPU": 1.0}
-        super().__init__(address, os.environ.get("GPUFLEET_RUN_ID", "workload"), node_bundle=bundle)
+        super().__init__(address, os.environ.get(envcontract.RUN_ID, "workload"), node_bundle=bundle)
         self.config = config
 
     def _wait_for_capacity(self) -> None:
@@ -103,14 +103,14 @@ class RayExecutor(RayEngine):
     def start(self, unit: Unit, files: dict[str, bytes] | None = None) -> RayProc:
         # The node keeps its own home, shell and PATH; the supervisor's additions travel.
         env = {k: v for k, v in unit.env.items() if k not in _NODE_OWN}
-        env["GPUFLEET_SUPERVISOR_BIN"] = unit.env.get("PATH", "").split(os.pathsep)[0]
+        env[envcontract.SUPERVISOR_BIN] = unit.env.get("PATH", "").split(os.pathsep)[0]
         if self.config.environment.dependencies:  # a node that does not see the supervisor's bin builds its own
             env[envcontract.DEPENDENCIES] = json.dumps(self.config.environment.dependencies)
         shipped: dict[str, bytes] = dict(files or {})
-        params = unit.env.get("HYPERPARAMETERS_PATH")
+        params = unit.env.get(envcontract.HYPERPARAMETERS_PATH)
         if params and os.path.exists(params):
             with open(params, "rb") as f:
-                shipped["HYPERPARAMETERS_PATH"] = f.read()
+                shipped[envcontract.HYPERPARAMETERS_PATH] = f.read()
         if self.config.compute.ray_driver:
             env["RAY_ADDRESS"] = self.nodes[unit.index]["gcs_address"]  # the driver joins this cluster
         return super().start(dataclasses.replace(unit, env=env), shipped)

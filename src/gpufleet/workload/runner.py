@@ -29,6 +29,7 @@ from typing import Any
 
 from ..launch.controller import Controller, ControllerCallback
 from ..launch.engines.base import Engine
+from ..launch.node import envcontract
 from ..launch.policy import RetryPolicy
 from ..launch.spec import LaunchSpec
 from ..private import UnsafeStateError, private_dir, private_file_opener
@@ -47,7 +48,10 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 0.1
 #: Environment variables a node never inherits from the submitting shell.
-_DROPPED_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "MLFLOW_RUN_ID", "GPUFLEET_PARENT_PID")
+_DROPPED_ENV = (
+    envcontract.RANK, envcontract.LOCAL_RANK, envcontract.GROUP_RANK, envcontract.ROLE_RANK, "MLFLOW_RUN_ID",
+    envcontract.PARENT_PID,
+)
 
 
 class WorkloadRun:
@@ -170,12 +174,12 @@ class WorkloadRun:
         env["PATH"] = bin_dir + os.pathsep + env.get("PATH", os.environ.get("PATH", os.defpath))
         if bin_dir != os.path.dirname(sys.executable) or sys.prefix != sys.base_prefix:
             env["VIRTUAL_ENV"] = str(Path(bin_dir).parent)
-        env.update(
-            CODE_SOURCE_PATH=str(self.run_dir / "code"),
-            HYPERPARAMETERS_PATH=str(self.run_dir / "hyperparameters.yaml"),
-            GPUFLEET_RUN_DIR=str(self.run_dir),
-            GPUFLEET_CHECKPOINT_DIR=str(self.run_dir / "checkpoints"),
-        )
+        env.update({
+            envcontract.CODE_SOURCE_PATH: str(self.run_dir / "code"),
+            envcontract.HYPERPARAMETERS_PATH: str(self.run_dir / "hyperparameters.yaml"),
+            envcontract.RUN_DIR: str(self.run_dir),
+            envcontract.CHECKPOINT_DIR: str(self.run_dir / "checkpoints"),
+        })
         env.update(secret_env(self.secrets))  # the values, and their names for the guard that masks them
         return env
 

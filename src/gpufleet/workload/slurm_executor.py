@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..launch.engines.slurm.engine import SlurmEngine
 from ..launch.engines.slurm.job import SlurmOptions, require_slurm
+from ..launch.node import envcontract
 from .schema import WorkloadConfig
 
 __all__ = ["SlurmExecutor", "create_executor", "options_of"]
@@ -39,7 +40,7 @@ class SlurmExecutor(SlurmEngine):
 
     def __init__(self, config: WorkloadConfig) -> None:
         c = config.compute
-        super().__init__(options_of(config), os.environ.get("GPUFLEET_RUN_ID", "run"), per_node=c.per_node,
+        super().__init__(options_of(config), os.environ.get(envcontract.RUN_ID, "run"), per_node=c.per_node,
                          use_gpus=c.gpu_type is not None, preemptible=True)  # fmt: skip
         self.config = config
 

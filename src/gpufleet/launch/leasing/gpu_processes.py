@@ -216,7 +216,7 @@ def _gpufleet_ranks(pids: set[int]) -> set[int]:
         return found
     for pid in pids:
         with contextlib.suppress(Exception):  # gone, or another user's: then it counts as outside gpufleet
-            if psutil.Process(pid).environ().get("GPUFLEET_RUN_ID"):
+            if psutil.Process(pid).environ().get(envcontract.RUN_ID):
                 found.add(pid)
     return found
 

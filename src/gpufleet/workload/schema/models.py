@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from ...launch.node import envcontract
 from .slurm import SlurmConfig
 
 _GPU_TYPE_RE = re.compile(r"^GPU_([1-9][0-9]{0,3})x([A-Za-z][A-Za-z0-9-]{0,31})$")
@@ -23,19 +24,19 @@ _CLUSTER_RE = re.compile(r"^(auto|slurm|ray://[A-Za-z0-9.\-_\[\]:]+(:[0-9]{1,5})
 
 #: Variables gpufleet sets for every node; ``env_variables`` may not set them.
 RESERVED_ENV = (
-    "CODE_SOURCE_PATH",
-    "NUM_NODES",
-    "NODE_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
+    envcontract.CODE_SOURCE_PATH,
+    envcontract.NUM_NODES,
+    envcontract.NODE_RANK,
+    envcontract.WORLD_SIZE,
+    envcontract.LOCAL_WORLD_SIZE,
+    envcontract.MASTER_ADDR,
+    envcontract.MASTER_PORT,
     "MLFLOW_RUN_ID",
-    "HYPERPARAMETERS_PATH",
-    "GPUFLEET_RUN_ID",
-    "GPUFLEET_RUN_DIR",
-    "GPUFLEET_ATTEMPT",
-    "GPUFLEET_CHECKPOINT_DIR",
+    envcontract.HYPERPARAMETERS_PATH,
+    envcontract.RUN_ID,
+    envcontract.RUN_DIR,
+    envcontract.ATTEMPT,
+    envcontract.CHECKPOINT_DIR,
 )
 
 
@@ -219,7 +220,7 @@ class CodeSourceConfig(_Strict):
         description=(
             "Folder whose snapshot travels with the run (relative to the workload file). Files "
             "ignored by .gitignore are left out. The command runs inside the snapshot "
-            "($CODE_SOURCE_PATH)."
+            f"(${envcontract.CODE_SOURCE_PATH})."
         ),
         examples=[".", "../project"],
     )
@@ -276,9 +277,10 @@ class WorkloadConfig(_Strict):
     )
     command: str = Field(
         description=(
-            "bash script run once per node, inside the code snapshot, with CODE_SOURCE_PATH, "
-            "NUM_NODES, NODE_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, "
-            "MLFLOW_RUN_ID, HYPERPARAMETERS_PATH and GPUFLEET_CHECKPOINT_DIR set."
+            f"bash script run once per node, inside the code snapshot, with {envcontract.CODE_SOURCE_PATH}, "
+            f"{envcontract.NUM_NODES}, {envcontract.NODE_RANK}, {envcontract.WORLD_SIZE}, "
+            f"{envcontract.LOCAL_WORLD_SIZE}, {envcontract.MASTER_ADDR}, {envcontract.MASTER_PORT}, "
+            f"MLFLOW_RUN_ID, {envcontract.HYPERPARAMETERS_PATH} and {envcontract.CHECKPOINT_DIR} set."
         ),
         examples=["torchrun --nproc_per_node=$LOCAL_WORLD_SIZE train.py"],
     )
@@ -308,7 +310,7 @@ class WorkloadConfig(_Strict):
     )
     parameters: dict[str, Any] = Field(
         default_factory=dict,
-        description="Hyperparameters, written as YAML to the file at $HYPERPARAMETERS_PATH.",
+        description=f"Hyperparameters, written as YAML to the file at ${envcontract.HYPERPARAMETERS_PATH}.",
         examples=[{"lr": 2.0e-5, "max_steps": 100}],
     )
     max_retries: int = Field(
@@ -317,7 +319,7 @@ class WorkloadConfig(_Strict):
         le=100,
         description=(
             "Extra attempts after a failed or timed-out attempt; each attempt is a new MLflow "
-            "run and sees the same GPUFLEET_CHECKPOINT_DIR, so it can resume."
+            f"run and sees the same {envcontract.CHECKPOINT_DIR}, so it can resume."
         ),
         examples=[1],
     )

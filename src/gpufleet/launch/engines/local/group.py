@@ -19,6 +19,7 @@ from ... import failures
 from ...group import GroupStatus, WorkerGroup, reap_later
 from ...leasing.leases import GpuLease, GpuRequest
 from ...logstream import LogConfig, RankLog, failure_text
+from ...node import envcontract
 from ...proctree import run_processes
 from ...progress import PROGRESS_INTERVAL_ENV, read_progress, request_stacks
 from ...spec import (
@@ -133,7 +134,7 @@ class LocalWorkerGroup(WorkerGroup):
         env = dict(os.environ)
         env.update(spec.rank_env(local_slots(spec.world_size)[rank], rendezvous))
         env["PYTHONPATH"] = os.pathsep.join(p for p in [package_parent(), env.get("PYTHONPATH", "")] if p)
-        env["GPUFLEET_RUN_DIR"] = str(self.run_dir.path)
+        env[envcontract.RUN_DIR] = str(self.run_dir.path)
         env[PARENT_PID_ENV] = str(os.getpid())
         if self.env_deferred:
             env[LATE_ENV_VAR] = str(self.run_dir.late_env)

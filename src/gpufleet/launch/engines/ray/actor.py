@@ -206,7 +206,7 @@ class RankProcess(ChildProcess):
             paths.append(full_env["PYTHONPATH"])
         full_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         full_env[PARENT_PID_ENV] = str(os.getpid())
-        full_env["GPUFLEET_RUN_DIR"] = str(self.dir)
+        full_env[envcontract.RUN_DIR] = str(self.dir)
         argv = [sys.executable, "-m", "gpufleet.launch.worker", str(self.dir), str(self.rank)]
         pid = self._spawn(argv, full_env, os.getcwd())
         if env.get("LOCAL_RANK") == "0":  # one sampler per node: its first rank's actor
@@ -237,9 +237,9 @@ class RankProcess(ChildProcess):
 #: Set in a node actor's environment when Ray ships the workload's code snapshot to its node.
 SHIPPED_CODE_ENV = envcontract.SHIPPED_CODE
 _BUILD_THEN_RUN = (
-    'bin=$("$GPUFLEET_NODE_PYTHON" "$GPUFLEET_ENVS_PY" | tail -n 1) && [ -d "$bin" ] || exit 97\n'
+    f'bin=$("${envcontract.NODE_PYTHON}" "${envcontract.ENVS_PY}" | tail -n 1) && [ -d "$bin" ] || exit 97\n'
     'export PATH="$bin:$PATH" VIRTUAL_ENV="$(dirname "$bin")"\n'
-    'exec bash -c "$GPUFLEET_NODE_COMMAND"\n'
+    f'exec bash -c "${envcontract.NODE_COMMAND}"\n'
 )
 
 
@@ -267,10 +267,10 @@ class NodeCommand(ChildProcess):
             # No shared storage: run in the copy of the code snapshot Ray brought to this node
             # (the actor's runtime_env working_dir, its current directory).
             cwd = os.getcwd()
-            full_env["CODE_SOURCE_PATH"] = cwd
+            full_env[envcontract.CODE_SOURCE_PATH] = cwd
         # The run's environment (when this node sees it) and the node's own Python come first,
         # so `torchrun` and `python` resolve on every node.
-        run_bin = env.get("GPUFLEET_SUPERVISOR_BIN", "")
+        run_bin = env.get(envcontract.SUPERVISOR_BIN, "")
         bins = [run_bin, os.path.dirname(sys.executable)]
         bins = [b for b in bins if b and os.path.isdir(b)]
         full_env["PATH"] = os.pathsep.join(list(dict.fromkeys(bins)) + [full_env.get("PATH", "")])
@@ -283,9 +283,9 @@ class NodeCommand(ChildProcess):
             # This node does not see the run's environment: it builds its own (cached per spec
             # under this node's GPUFLEET_HOME), its pip output in the node's log, then the command
             # runs with that environment first on PATH.
-            full_env["GPUFLEET_NODE_COMMAND"] = command
-            full_env["GPUFLEET_NODE_PYTHON"] = sys.executable
-            full_env["GPUFLEET_ENVS_PY"] = str(node_dir / "envs.py")
+            full_env[envcontract.NODE_COMMAND] = command
+            full_env[envcontract.NODE_PYTHON] = sys.executable
+            full_env[envcontract.ENVS_PY] = str(node_dir / "envs.py")
             command = _BUILD_THEN_RUN
         # The guard leads the command's process group and stops it if this actor dies (a killed
         # actor or raylet would otherwise leave the command running on the node). Run by path: it

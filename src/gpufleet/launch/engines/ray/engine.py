@@ -26,6 +26,7 @@ from typing import Any
 
 from ....errors import SchedulingTimeoutError
 from ...group import GroupStartCanceled
+from ...node import envcontract
 from ..base import GRACE_PERIOD_S, Engine, Proc, Unit
 
 __all__ = ["LOST_EXIT_CODE", "SCHEDULE_TIMEOUT_S", "RayEngine", "RayProc"]
@@ -109,7 +110,7 @@ class RayEngine(Engine):
             "max_restarts": 0,
             "max_concurrency": 4,  # poll, stop and stack dumps may overlap
             "name": name,
-            "runtime_env": {"env_vars": {"GPUFLEET_RUN_ID": self.run_id}},
+            "runtime_env": {"env_vars": {envcontract.RUN_ID: self.run_id}},
         }
         if num_gpus:
             options["num_gpus"] = num_gpus

@@ -21,6 +21,7 @@ from ....results import ERROR, OK, RunDir, tail
 from ... import failures
 from ...group import GroupStatus, WorkerGroup, reap_later
 from ...logstream import LogConfig, RankLog, failure_text
+from ...node import envcontract
 from ...spec import LaunchSpec, Rendezvous, slots_by_node
 from .connect import before_disconnect
 from .engine import POLL_WAIT_S, RayEngine
@@ -192,7 +193,7 @@ class RayWorkerGroup(WorkerGroup):
         starts = []
         for rank, slot in enumerate(slots_by_node(self.node_ids)):
             env = self.spec.rank_env(slot, self.rendezvous)
-            env["GPUFLEET_RAY_NODE_ID"] = self.node_ids[rank]
+            env[envcontract.RAY_NODE_ID] = self.node_ids[rank]
             starts.append(engine.actors[rank].start.remote(payload_ref, env))
         engine.wait_for(starts, self.abort, "ranks")
         self._record_lost_from(starts)

@@ -26,6 +26,7 @@ from ....results import ERROR, OK, RunDir, read_outcome
 from ... import failures
 from ...group import GroupStartCanceled, GroupStatus, WorkerGroup
 from ...logstream import LogConfig, RankLog
+from ...node import envcontract
 from ...progress import PROGRESS_INTERVAL_ENV, read_progress
 from ...spec import LaunchSpec, Rendezvous, package_parent
 from .engine import SlurmEngine
@@ -134,7 +135,7 @@ class SlurmWorkerGroup(WorkerGroup):
         for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "RANK", "LOCAL_RANK", "SLURM_JOB_ID"):
             env.pop(key, None)  # each task's own (slurm_node), or the caller's own job's
         env["PYTHONPATH"] = os.pathsep.join(x for x in [package_parent(), env.get("PYTHONPATH", "")] if x)
-        env["GPUFLEET_RUN_DIR"] = str(self.run_dir.path)
+        env[envcontract.RUN_DIR] = str(self.run_dir.path)
         env["TORCHELASTIC_RUN_ID"] = self.run_id
         if p.use_gpus:
             env.pop("CUDA_VISIBLE_DEVICES", None)  # Slurm sets each node's
