@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .launch.node import envcontract
+
 #: extra -> the distributions it installs (import names differ; metadata names are used).
 EXTRAS = {
     "torch": ["torch", "torchdata", "safetensors"],
@@ -177,7 +179,7 @@ def collect() -> dict[str, Any]:
     rendezvous = _rendezvous_report() if torch_info.get("installed") and "error" not in torch_info else None
     if rendezvous is not None:
         checks.append(_rendezvous_line(rendezvous))
-    checks.append((OK if home_ok else FAIL, f"state folder {home} {'is writable' if home_ok else 'is NOT writable (set GPUFLEET_HOME)'}"))
+    checks.append((OK if home_ok else FAIL, f"state folder {home} {'is writable' if home_ok else f'is NOT writable (set {envcontract.HOME})'}"))
     for extra, info in extras.items():
         checks.append((OK if info["installed"] else WARN, f"extra [{extra}] " + (
             "installed" if info["installed"] else f"not installed ({info['hint']})")))  # fmt: skip

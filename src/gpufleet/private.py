@@ -23,6 +23,7 @@ from collections import deque
 from pathlib import Path
 
 from .errors import GpufleetError
+from .launch.node import envcontract
 
 __all__ = ["UnsafeStateError", "check_parents", "private_dir", "private_file_opener"]
 
@@ -61,7 +62,7 @@ def _check_parent(folder: str, st: os.stat_result, target: Path, what: str) -> N
         raise UnsafeStateError(
             f"{what} {target} lies inside {folder}, which is owned by {_owner_name(st.st_uid)}: that user can "
             f"rename {target} away during a call and put a folder of their own in its place, whose pickled results "
-            "gpufleet would read. Use a folder whose every parent is yours (or root's): set GPUFLEET_HOME "
+            f"gpufleet would read. Use a folder whose every parent is yours (or root's): set {envcontract.HOME} "
             "(or runs_dir)."
         )
     others = st.st_mode & stat.S_IWOTH
@@ -71,7 +72,7 @@ def _check_parent(folder: str, st: os.stat_result, target: Path, what: str) -> N
             f"{what} {target} lies inside {folder}, which {'others' if others else 'its group'} may write to "
             f"(mode {stat.S_IMODE(st.st_mode):04o}): they can rename {target} away during a call and put a folder "
             "of their own in its place, whose pickled results gpufleet would read. Use a folder whose parents only "
-            f"you can write to (set GPUFLEET_HOME or runs_dir), or make {folder} sticky (chmod +t, as /tmp is)."
+            f"you can write to (set {envcontract.HOME} or runs_dir), or make {folder} sticky (chmod +t, as /tmp is)."
         )
 
 
@@ -101,7 +102,7 @@ def check_parents(path: str | os.PathLike[str], what: str = "gpufleet's state fo
             return  # the rest is created by us, inside a folder that was checked
         except OSError as e:  # a folder on the way we may not enter
             raise UnsafeStateError(f"{what} {target} cannot be reached: {nxt}: {e.strerror or e}. Set "
-                                   "GPUFLEET_HOME (or runs_dir) to a folder of yours.") from e  # fmt: skip
+                                   f"{envcontract.HOME} (or runs_dir) to a folder of yours.") from e  # fmt: skip
         if stat.S_ISLNK(st.st_mode):
             links += 1
             if links > 40:
@@ -136,10 +137,10 @@ def private_dir(path: str | os.PathLike[str], what: str = "gpufleet's state fold
     except FileExistsError:
         pass
     except NotADirectoryError as e:
-        raise UnsafeStateError(f"{what} {p} cannot be created: a part of its path is a file ({e}). Set GPUFLEET_HOME "
+        raise UnsafeStateError(f"{what} {p} cannot be created: a part of its path is a file ({e}). Set {envcontract.HOME} "
                                "(or runs_dir) to a folder.") from e  # fmt: skip
     except OSError as e:  # no permission, a read-only file system, ...
-        raise UnsafeStateError(f"{what} {p} cannot be created: {e.strerror or e}. Set GPUFLEET_HOME (or runs_dir) "
+        raise UnsafeStateError(f"{what} {p} cannot be created: {e.strerror or e}. Set {envcontract.HOME} (or runs_dir) "
                                "to a folder you can write to.") from e  # fmt: skip
     st = p.lstat()
     if stat.S_ISLNK(st.st_mode):
@@ -150,12 +151,12 @@ def private_dir(path: str | os.PathLike[str], what: str = "gpufleet's state fold
                 "pickled results from it, so that user could run code as you. Use a folder of your own."
             )
     if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeStateError(f"{what} {p} is not a folder. Set GPUFLEET_HOME (or runs_dir) to a folder.")
+        raise UnsafeStateError(f"{what} {p} is not a folder. Set {envcontract.HOME} (or runs_dir) to a folder.")
     if st.st_uid != os.geteuid():
         raise UnsafeStateError(
             f"{what} {p} is owned by {_owner_name(st.st_uid)}, not by you ({_owner_name(os.geteuid())}); gpufleet "
             "reads pickled results and code from it, so that user could run code as you. Use a folder of your "
-            "own (GPUFLEET_HOME, runs_dir)."
+            f"own ({envcontract.HOME}, runs_dir)."
         )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise UnsafeStateError(
@@ -166,7 +167,7 @@ def private_dir(path: str | os.PathLike[str], what: str = "gpufleet's state fold
     if stat.S_IMODE(st.st_mode) & 0o077:
         os.chmod(p, 0o700)  # ours, but readable by others: run logs and secrets live here
     if not os.access(p, os.W_OK | os.X_OK):
-        raise UnsafeStateError(f"{what} {p} is read-only for you. Set GPUFLEET_HOME (or runs_dir) to a folder you "
+        raise UnsafeStateError(f"{what} {p} is read-only for you. Set {envcontract.HOME} (or runs_dir) to a folder you "
                                "can write to.")  # fmt: skip
     return p
 

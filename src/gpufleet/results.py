@@ -11,13 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .launch.node import envcontract
+
 OK = "ok"
 ERROR = "error"
 
 
 def gpufleet_home() -> Path:
     """Root folder for gpufleet's state: ``$GPUFLEET_HOME`` or ``~/.gpufleet``."""
-    return Path(os.environ.get("GPUFLEET_HOME") or Path.home() / ".gpufleet")
+    return Path(os.environ.get(envcontract.HOME) or Path.home() / ".gpufleet")
 
 
 def new_run_id(name: str = "run") -> str:

@@ -63,7 +63,7 @@ def resolve_run(run_id: str, home: str | None = None) -> Any:
         raise LookupError(str(e)) from None
     except RunNotFoundError:
         raise LookupError(f"no run {run_id!r} in the run store {store.path} (`gpufleet list --all-status` lists "
-                          "its runs; --home or GPUFLEET_HOME names another store)") from None  # fmt: skip
+                          f"its runs; --home or {envcontract.HOME} names another store)") from None  # fmt: skip
     if not run.is_active:
         raise LookupError(f"run {run.id} is {run.state}: none of its processes runs any more")
     return run
@@ -160,6 +160,6 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("run_id", help="the run id (of a call's attempt or a workload), or a unique prefix of 6+ characters")
     p.add_argument("-o", "--output", choices=["text", "json"], default="text")
     p.add_argument("--home", default=None,
-                   help="gpufleet state folder holding the run store (default: $GPUFLEET_HOME or ~/.gpufleet)")
+                   help=f"gpufleet state folder holding the run store (default: ${envcontract.HOME} or ~/.gpufleet)")
     p.add_argument("--here", action="store_true", help=argparse.SUPPRESS)  # on a Slurm node: this machine only
     p.set_defaults(handler=cmd_stacks)

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..launch.node import envcontract
 from ..states import CANCELED, FAILED, SUCCESS, TIMEDOUT, RunState
 from .ps import add_list_filters, list_filters
 
@@ -37,7 +38,7 @@ def common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--home",
         default=None,
-        help="gpufleet state folder holding the run store (default: $GPUFLEET_HOME or ~/.gpufleet)",
+        help=f"gpufleet state folder holding the run store (default: ${envcontract.HOME} or ~/.gpufleet)",
     )
 
 

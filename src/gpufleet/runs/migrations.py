@@ -20,6 +20,7 @@ import sqlite3
 from collections.abc import Callable
 
 from ..errors import GpufleetError
+from ..launch.node import envcontract
 
 #: The schema version this gpufleet writes.
 SCHEMA_VERSION = 2
@@ -110,7 +111,7 @@ def check_version(version: int, path: object) -> None:
         raise SchemaVersionError(
             f"the run store {path} has schema version {version}, written by a newer gpufleet; this gpufleet "
             f"knows versions up to {SCHEMA_VERSION}. Upgrade gpufleet (pip install -U gpufleet), or point "
-            "GPUFLEET_HOME (--home) at another folder to start a separate store"
+            f"{envcontract.HOME} (--home) at another folder to start a separate store"
         )
 
 

@@ -16,6 +16,7 @@ import sys
 import time
 from typing import IO, Any
 
+from ..launch.node import envcontract
 from .records import RunRecord
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
@@ -115,7 +116,7 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     """Register ``gpufleet ps``."""
     p = subparsers.add_parser("ps", help="what runs on this machine now: each GPU's holder, and active runs")
     p.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format (default: text)")
-    p.add_argument("--home", default=None, help="gpufleet state folder (default: $GPUFLEET_HOME or ~/.gpufleet)")
+    p.add_argument("--home", default=None, help=f"gpufleet state folder (default: ${envcontract.HOME} or ~/.gpufleet)")
     p.set_defaults(handler=cmd_ps)
 
 

@@ -262,7 +262,7 @@ class NodeCommand(ChildProcess):
             if os.environ.get(SHIPPED_CODE_ENV) != "1":
                 raise FileNotFoundError(
                     f"the workload's code folder {cwd} is not on node {socket.gethostname()}: put "
-                    "GPUFLEET_HOME (where run folders live) on storage every node mounts"
+                    f"{envcontract.HOME} (where run folders live) on storage every node mounts"
                 )
             # No shared storage: run in the copy of the code snapshot Ray brought to this node
             # (the actor's runtime_env working_dir, its current directory).
