@@ -96,7 +96,7 @@ def _faulthandler(proc: Any, env: dict[str, str]) -> str | None:
     """A rank gpufleet launched dumps its own stack into stacks-R.txt on SIGUSR2 (once its handler is in)."""
     from .launch.progress import request_stacks
 
-    folder, rank = env.get(envcontract.RUN_DIR), env.get("RANK")
+    folder, rank = env.get(envcontract.RUN_DIR), env.get(envcontract.RANK)
     if not folder or rank is None or not Path(folder, f"progress-{rank}.json").exists():
         return None
     return request_stacks(proc.pid, Path(folder, f"stacks-{rank}.txt"))
@@ -119,8 +119,8 @@ def collect(run_id: str, home: str | None = None, stored: bool = True) -> tuple[
             stack = _faulthandler(proc, env) or "(no stack: install py-spy, or the process is no gpufleet rank)"
         found.append({
             "host": os.uname().nodename,
-            "rank": int(env["RANK"]) if env.get("RANK", "").isdigit() else None,
-            "node_rank": env.get("NODE_RANK"), "pid": proc.pid,
+            "rank": int(env[envcontract.RANK]) if env.get(envcontract.RANK, "").isdigit() else None,
+            "node_rank": env.get(envcontract.NODE_RANK), "pid": proc.pid,
             "command": " ".join(proc.cmdline())[:200], "stack": stack, "run_dir": env.get(envcontract.RUN_DIR),
         })  # fmt: skip
     found.sort(key=lambda p: (p["rank"] is None, p["rank"] if p["rank"] is not None else 0, p["pid"]))

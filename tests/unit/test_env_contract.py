@@ -35,18 +35,10 @@ EXEMPT_TEMPLATES = {"workload/export.py": ("ENTRY", "COMMAND")}
 #: file with more fails, and so does one with fewer (lower its count here).
 RATCHET: dict[str, int] = {
     "checkpoint/preemption.py": 1,
-    "launch/engines/local/group.py": 1,
-    "launch/engines/ray/actor.py": 3,
-    "launch/engines/slurm/engine.py": 3,
-    "launch/engines/slurm/group.py": 6,
-    "launch/engines/slurm/node.py": 14,
-    "launch/spec.py": 6,
     "launch/worker.py": 3,
     "runtime.py": 11,
-    "stacks.py": 4,
     "tracking/data_wait.py": 1,
     "tracking/metrics.py": 1,
-    "workload/submit.py": 4,
 }
 
 #: Readers of torchrun variables in ``os.environ`` beside ``gpufleet.runtime``: the Slurm task

@@ -2,8 +2,9 @@
 
 A :class:`LaunchSpec` says what one attempt runs (world size, nodes, extra environment, the
 pickled call) independently of where its processes come from. Local processes, Ray actors and
-workload nodes all build their ranks' environments from it, so the torchrun contract (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ...) is written once, here.
+workload nodes all build their ranks' environments from it, so the values of the torchrun contract
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ...) are written once, here; their names
+are those of :mod:`gpufleet.launch.node.envcontract`.
 """
 
 from __future__ import annotations
@@ -181,12 +182,20 @@ class LaunchSpec:
     def rank_env(self, slot: RankSlot, rendezvous: Rendezvous) -> dict[str, str]:
         """The torchrun environment contract of one rank (on top of :meth:`node_env`)."""
         env = self.node_env(slot.node_rank, slot.local_world_size, rendezvous)
-        env.update(
-            RANK=str(slot.rank),
-            LOCAL_RANK=str(slot.local_rank),
-            GROUP_RANK=str(slot.node_rank),
-            ROLE_RANK=str(slot.rank),
-            ROLE_WORLD_SIZE=str(self.world_size),
-            TORCHELASTIC_RUN_ID=self.run_id,
-        )
+        env.update(rank_vars(slot.rank, slot.local_rank, slot.node_rank, self.world_size, self.run_id))
         return env
+
+
+def rank_vars(rank: int | str, local_rank: int | str, node_rank: int | str, world_size: int | str,
+              run_id: str) -> dict[str, str]:
+    """What one rank sees beyond its node's environment (``envcontract.RANK_VARS``): its ranks and
+    the run id, as torchrun sets them. :meth:`LaunchSpec.rank_env` and the Slurm engine's rank
+    task (from Slurm's task ids) both write them with this."""
+    return {
+        envcontract.RANK: str(rank),
+        envcontract.LOCAL_RANK: str(local_rank),
+        envcontract.GROUP_RANK: str(node_rank),
+        envcontract.ROLE_RANK: str(rank),
+        envcontract.ROLE_WORLD_SIZE: str(world_size),
+        envcontract.TORCHELASTIC_RUN_ID: run_id,
+    }

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from ..launch.node import envcontract
 from ..private import private_dir, private_file_opener
 from ..results import new_run_id
 from ..runs.liveness import list_runs, process_start_time
@@ -215,10 +216,10 @@ def plan(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]
         "timeout_minutes": config.timeout_minutes,
         "parameters": config.parameters,
         "node_env": {
-            "NUM_NODES": str(c.num_nodes),
-            "NODE_RANK": "0.." + str(c.num_nodes - 1) if c.command_nodes > 1 else "0",
-            "WORLD_SIZE": str(c.num_accelerators),
-            "LOCAL_WORLD_SIZE": str(c.per_node),
+            envcontract.NUM_NODES: str(c.num_nodes),
+            envcontract.NODE_RANK: "0.." + str(c.num_nodes - 1) if c.command_nodes > 1 else "0",
+            envcontract.WORLD_SIZE: str(c.num_accelerators),
+            envcontract.LOCAL_WORLD_SIZE: str(c.per_node),
             **config.env_strings(),
         },
         "command": config.command,

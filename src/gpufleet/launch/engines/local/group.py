@@ -145,7 +145,7 @@ class LocalWorkerGroup(WorkerGroup):
             # torchrun's agent does), and so do gloo's connections between the ranks.
             env.setdefault(LOOPBACK_STORE_ENV, "1")  # "0" from a caller that puts another server on MASTER_PORT
             if env[LOOPBACK_STORE_ENV] == "1":
-                env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+                env[envcontract.TORCHELASTIC_USE_AGENT_STORE] = "True"
                 env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         return env
 

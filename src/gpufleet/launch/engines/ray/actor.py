@@ -199,7 +199,7 @@ class RankProcess(ChildProcess):
         replace(payload, sys_path=()).write(self.run_dir.payload)
         full_env = dict(os.environ)
         full_env.update(env)
-        full_env.update(default_threads(full_env, int(env.get("LOCAL_WORLD_SIZE", "1"))))
+        full_env.update(default_threads(full_env, int(env.get(envcontract.LOCAL_WORLD_SIZE, "1"))))
         # The actor's import path holds the code shipped through the runtime_env.
         paths = [p for p in sys.path if p and os.path.exists(p)]
         if full_env.get("PYTHONPATH"):
@@ -209,8 +209,8 @@ class RankProcess(ChildProcess):
         full_env[envcontract.RUN_DIR] = str(self.dir)
         argv = [sys.executable, "-m", "gpufleet.launch.worker", str(self.dir), str(self.rank)]
         pid = self._spawn(argv, full_env, os.getcwd())
-        if env.get("LOCAL_RANK") == "0":  # one sampler per node: its first rank's actor
-            self._sample_node(full_env, f"node{env.get('NODE_RANK', '0')}")
+        if env.get(envcontract.LOCAL_RANK) == "0":  # one sampler per node: its first rank's actor
+            self._sample_node(full_env, f"node{env.get(envcontract.NODE_RANK, '0')}")
         return pid
 
     def _progress(self) -> dict[str, Any] | None:

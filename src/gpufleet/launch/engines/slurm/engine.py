@@ -35,6 +35,7 @@ from typing import Any
 
 from ....results import write_atomic
 from ...group import GroupStartCanceled
+from ...node import envcontract
 from ..base import GRACE_PERIOD_S, Engine, Proc, Unit
 from .job import (
     CANCELED_FILE,
@@ -156,7 +157,7 @@ class SlurmEngine(Engine):
 
     def node_job_env(self, env: dict[str, str], folder: Path) -> dict[str, str]:
         """The job's environment for node commands: node 0's less what each node sets itself."""
-        for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        for key in (envcontract.MASTER_ADDR, envcontract.MASTER_PORT, envcontract.NODE_RANK):
             env.pop(key, None)  # each node's own (slurm_node sets them)
         env[PREEMPT_FILE_ENV] = str(folder / PREEMPTED_FILE)
         return env

@@ -132,11 +132,11 @@ class SlurmWorkerGroup(WorkerGroup):
         p = self.placement
         env = dict(os.environ)
         env.update(self.spec.node_env(0, p.tasks_per_node, Rendezvous("slurm-first-node", 0)))
-        for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "RANK", "LOCAL_RANK", "SLURM_JOB_ID"):
+        for key in (envcontract.MASTER_ADDR, envcontract.MASTER_PORT, envcontract.NODE_RANK, envcontract.RANK,
+                    envcontract.LOCAL_RANK, "SLURM_JOB_ID"):
             env.pop(key, None)  # each task's own (slurm_node), or the caller's own job's
         env["PYTHONPATH"] = os.pathsep.join(x for x in [package_parent(), env.get("PYTHONPATH", "")] if x)
         env[envcontract.RUN_DIR] = str(self.run_dir.path)
-        env["TORCHELASTIC_RUN_ID"] = self.run_id
         if p.use_gpus:
             env.pop("CUDA_VISIBLE_DEVICES", None)  # Slurm sets each node's
         return env

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import IO
 
 from ....results import write_atomic
-from ...spec import default_threads
+from ...node import envcontract
+from ...spec import default_threads, rank_vars
 from .job import node_address
 
 
@@ -62,8 +63,8 @@ def batch(mode: str, folder: Path, cpu: bool = False) -> int:
 
     node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
     addr = node_address(node)
-    os.environ["MASTER_ADDR"] = addr
-    os.environ["MASTER_PORT"] = str(find_free_port(addr))
+    os.environ[envcontract.MASTER_ADDR] = addr
+    os.environ[envcontract.MASTER_PORT] = str(find_free_port(addr))
     _outlive(signal.SIGUSR1)  # Slurm's SIGUSR1 goes to the batch script's shell, which marks it (job.batch_script)
     # Each task gets its share of the node's CPUs (srun's default is one per task): a node command
     # all of them, for the ranks its torchrun starts; a rank its part.
@@ -82,12 +83,12 @@ def batch(mode: str, folder: Path, cpu: bool = False) -> int:
 def _rank_task(folder: Path) -> int:
     env = dict(os.environ)
     rank, local = env["SLURM_PROCID"], env.get("SLURM_LOCALID", "0")
-    world = env.get("SLURM_NTASKS", env.get("WORLD_SIZE", "1"))
-    env.update(
-        RANK=rank, LOCAL_RANK=local, NODE_RANK=env.get("SLURM_NODEID", "0"), GROUP_RANK=env.get("SLURM_NODEID", "0"),
-        ROLE_RANK=rank, WORLD_SIZE=world, ROLE_WORLD_SIZE=world,
-        LOCAL_WORLD_SIZE=env.get("SLURM_NTASKS_PER_NODE", env.get("LOCAL_WORLD_SIZE", "1")).split("(")[0],
-    )  # fmt: skip
+    node, world = env.get("SLURM_NODEID", "0"), env.get("SLURM_NTASKS", env.get(envcontract.WORLD_SIZE, "1"))
+    env.update(rank_vars(rank, local, node, world, env[envcontract.RUN_ID]))  # the run id: the job's (spec.node_env)
+    env.update({
+        envcontract.NODE_RANK: node, envcontract.WORLD_SIZE: world,
+        envcontract.LOCAL_WORLD_SIZE: env.get("SLURM_NTASKS_PER_NODE", env.get(envcontract.LOCAL_WORLD_SIZE, "1")).split("(")[0],
+    })  # fmt: skip
     env.update(default_threads(env, 1, cpu_count=_cores()))  # this task's cores are this rank's
     # Slurm's TERM (a cancel), USR1 (stacks before a timeout) and USR2 (stacks of the hang watchdog)
     # are for the rank; this task reports.
@@ -118,8 +119,8 @@ def _rank_task(folder: Path) -> int:
 
 def _node_task(folder: Path) -> int:
     node_rank = os.environ.get("SLURM_NODEID", "0")
-    os.environ["NODE_RANK"] = node_rank
-    os.environ.update(default_threads(os.environ, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), cpu_count=_cores()))
+    os.environ[envcontract.NODE_RANK] = node_rank
+    os.environ.update(default_threads(os.environ, int(os.environ.get(envcontract.LOCAL_WORLD_SIZE, "1")), cpu_count=_cores()))
     # Slurm's TERM reaches every process of the step: the command stops, the guard reports its code,
     # and this task writes it down before it exits.
     _outlive(signal.SIGTERM)
