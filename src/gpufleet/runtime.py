@@ -13,6 +13,8 @@ import sys
 import threading
 from typing import Any, NoReturn
 
+from .launch.node import envcontract
+
 __all__ = [
     "get_global_rank",
     "get_local_rank",
@@ -46,42 +48,42 @@ def _env_int(name: str, default: int) -> int:
 
 def get_global_rank() -> int:
     """This process's rank among all ranks (``RANK``; 0 outside a run)."""
-    return _env_int("RANK", 0)
+    return _env_int(envcontract.RANK, 0)
 
 
 def get_local_rank() -> int:
     """This process's rank on its node (``LOCAL_RANK``; 0 outside a run)."""
-    return _env_int("LOCAL_RANK", 0)
+    return _env_int(envcontract.LOCAL_RANK, 0)
 
 
 def get_world_size() -> int:
     """Number of ranks in the run (``WORLD_SIZE``; 1 outside a run)."""
-    return _env_int("WORLD_SIZE", 1)
+    return _env_int(envcontract.WORLD_SIZE, 1)
 
 
 def get_local_world_size() -> int:
     """Number of ranks on this node (``LOCAL_WORLD_SIZE``; 1 outside a run)."""
-    return _env_int("LOCAL_WORLD_SIZE", 1)
+    return _env_int(envcontract.LOCAL_WORLD_SIZE, 1)
 
 
 def get_node_rank() -> int:
     """Index of this node (``NODE_RANK``, else ``GROUP_RANK``; 0 outside a run)."""
-    return _env_int("NODE_RANK", _env_int("GROUP_RANK", 0))
+    return _env_int(envcontract.NODE_RANK, _env_int(envcontract.GROUP_RANK, 0))
 
 
 def get_num_nodes() -> int:
     """Number of nodes (``NUM_NODES``, else world size / local world size)."""
-    return _env_int("NUM_NODES", max(1, get_world_size() // max(1, get_local_world_size())))
+    return _env_int(envcontract.NUM_NODES, max(1, get_world_size() // max(1, get_local_world_size())))
 
 
 def get_master_addr() -> str:
     """Address of rank 0's rendezvous store (``MASTER_ADDR``)."""
-    return os.environ.get("MASTER_ADDR", "127.0.0.1")
+    return os.environ.get(envcontract.MASTER_ADDR, "127.0.0.1")
 
 
 def get_master_port() -> int:
     """Port of rank 0's rendezvous store (``MASTER_PORT``)."""
-    return _env_int("MASTER_PORT", 29500)
+    return _env_int(envcontract.MASTER_PORT, 29500)
 
 
 def is_main_process() -> bool:
@@ -91,7 +93,21 @@ def is_main_process() -> bool:
 
 def is_distributed_env() -> bool:
     """True when the rendezvous environment of a launcher is present."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return envcontract.RANK in os.environ and envcontract.WORLD_SIZE in os.environ
+
+
+def rank_text(default: str | None = None) -> str | None:
+    """``RANK`` as it is written, unchecked, or ``default`` when it is unset: for gpufleet's own
+    code that only compares it with ``"0"`` or writes it down (where :func:`get_global_rank` would
+    raise on a value that is no integer)."""
+    return os.environ.get(envcontract.RANK, default)
+
+
+def required_int(name: str) -> int:
+    """The torchrun variable ``name`` (``envcontract.MASTER_PORT``, ``WORLD_SIZE``, ...) of a
+    launched rank, which must be set: ``KeyError`` when it is not, ``ValueError`` when it is no
+    integer (no default as the ``get_*`` helpers have outside a run)."""
+    return int(os.environ[name])
 
 
 def device() -> Any:

@@ -33,24 +33,13 @@ EXEMPT_TEMPLATES = {"workload/export.py": ("ENTRY", "COMMAND")}
 
 #: Literal copies not yet replaced by the contract's constants, per file. This may only shrink: a
 #: file with more fails, and so does one with fewer (lower its count here).
-RATCHET: dict[str, int] = {
-    "checkpoint/preemption.py": 1,
-    "launch/worker.py": 3,
-    "runtime.py": 11,
-    "tracking/data_wait.py": 1,
-    "tracking/metrics.py": 1,
-}
+RATCHET: dict[str, int] = {}
 
 #: Readers of torchrun variables in ``os.environ`` beside ``gpufleet.runtime``: the Slurm task
 #: that builds a rank's environment from Slurm's, and the ``sitecustomize`` that runs before gpufleet.
 ENVIRON_READERS = ("runtime.py", "launch/engines/slurm/node.py", "fault_boot/sitecustomize.py")
 #: In-rank readers not yet moved to ``gpufleet.runtime`` (count per file); may only shrink.
-ENVIRON_RATCHET: dict[str, int] = {
-    "checkpoint/preemption.py": 1,
-    "launch/worker.py": 3,
-    "tracking/data_wait.py": 1,
-    "tracking/metrics.py": 1,
-}
+ENVIRON_RATCHET: dict[str, int] = {}
 
 
 def _rel(path: Path) -> str:

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import runtime
 from ..launch.engines.slurm.job import CANCELED_FILE
 from ..launch.node import envcontract
 
@@ -56,7 +57,7 @@ def _on_sigterm(signum: int, _frame: object) -> None:
     if _terminated_at is not None:  # the launcher passing the same signal on (torchrun does)
         return
     _terminated_at = time.time()
-    rank = os.environ.get("RANK", "?")
+    rank = runtime.rank_text("?")
     if not path.exists():
         from ..results import write_atomic
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .. import runtime
 from ..results import ERROR, OK, RunDir, write_outcome
 from .node import envcontract
 from .spec import LATE_ENV_VAR, PARENT_PID_ENV, Payload
@@ -236,12 +237,12 @@ def _host_loopback_store() -> None:
 
     from torch.distributed import TCPStore
 
-    port = int(os.environ["MASTER_PORT"])
+    port = runtime.required_int(envcontract.MASTER_PORT)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", port))
     _store = TCPStore(
-        "127.0.0.1", port, int(os.environ["WORLD_SIZE"]), is_master=True, wait_for_workers=False,
+        "127.0.0.1", port, runtime.required_int(envcontract.WORLD_SIZE), is_master=True, wait_for_workers=False,
         timeout=datetime.timedelta(minutes=30), master_listen_fd=listener.detach(),
     )
 
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     progress.start(rank)  # faults to rehearse; progress and stacks when the hang watchdog is on
 
     late_env = os.environ.pop(LATE_ENV_VAR, None)  # part of the environment comes after the start
-    hosts_store = os.environ.get(LOOPBACK_STORE_ENV) == "1" and os.environ.get("RANK") == "0"
+    hosts_store = os.environ.get(LOOPBACK_STORE_ENV) == "1" and runtime.rank_text() == "0"
     with _import_slot(run_dir, rank, late_env, hosts_store) if late_env else contextlib.nullcontext(True) as slot:
         if hosts_store:
             try:

@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+from .. import runtime
 from .runs import tracking_enabled
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def log_data_wait(seconds: float, step: int | None = None) -> None:
     the mean wait per step over each window of :data:`LOG_INTERVAL_S` seconds, logged at the
     window's last step (the first call logs at once).
     """
-    if os.environ.get("RANK", "0") != "0" or not tracking_enabled():
+    if runtime.rank_text("0") != "0" or not tracking_enabled():
         return
     run_id = _run_id() or _state["run_id"]
     if run_id is None:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from .. import runtime
 from .runs import tracking_enabled
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, *, all_rank
         tracked run (tracking off, MLflow missing, ``MLFLOW_RUN_ID`` not set), or the store
         refused them (one warning).
     """
-    rank = os.environ.get("RANK", "0")
+    rank = runtime.rank_text("0")
     if rank == "0" and metrics:  # for the live view (a line in the run folder), tracked or not
         from ..live.feed import record_metrics
 
