@@ -31,15 +31,9 @@ GROUPS = ("torchrun", "launcher -> rank", "supervisor/actor -> node", "user sett
 EXEMPT_FILES = ("fault_boot/sitecustomize.py",)
 EXEMPT_TEMPLATES = {"workload/export.py": ("ENTRY", "COMMAND")}
 
-#: Literal copies not yet replaced by the contract's constants, per file. This may only shrink: a
-#: file with more fails, and so does one with fewer (lower its count here).
-RATCHET: dict[str, int] = {}
-
 #: Readers of torchrun variables in ``os.environ`` beside ``gpufleet.runtime``: the Slurm task
 #: that builds a rank's environment from Slurm's, and the ``sitecustomize`` that runs before gpufleet.
 ENVIRON_READERS = ("runtime.py", "launch/engines/slurm/node.py", "fault_boot/sitecustomize.py")
-#: In-rank readers not yet moved to ``gpufleet.runtime`` (count per file); may only shrink.
-ENVIRON_RATCHET: dict[str, int] = {}
 
 
 def _rel(path: Path) -> str:
@@ -167,11 +161,7 @@ def test_the_contract_is_names_only() -> None:
 def test_no_literal_copy_of_a_contract_name_outside_the_contract() -> None:
     """A ``GPUFLEET_...`` or torchrun name written as a string (or ``env.update(NAME=...)``) anywhere
     else in the source is a second copy of the contract: use the constant."""
-    counts = {rel: len(hits) for rel, hits in _literals().items()}
-    grown = {rel: hits for rel, hits in _literals().items() if len(hits) > RATCHET.get(rel, 0)}
-    assert grown == {}, "use the constants of gpufleet/launch/node/envcontract.py"
-    shrunk = {rel: (allowed, counts.get(rel, 0)) for rel, allowed in RATCHET.items() if counts.get(rel, 0) < allowed}
-    assert shrunk == {}, "fewer literals than the ratchet allows: lower its counts"
+    assert _literals() == {}, "use the constants of gpufleet/launch/node/envcontract.py"
 
 
 def test_the_exempt_code_writes_contract_names_only() -> None:
@@ -194,9 +184,7 @@ def test_the_exempt_code_writes_contract_names_only() -> None:
 def test_runtime_is_the_one_reader_of_the_torchrun_variables() -> None:
     """Inside a rank the torchrun variables come from ``gpufleet.runtime`` (one place for their
     defaults and errors); elsewhere only what runs before gpufleet or builds a rank's environment reads them."""
-    reads = {rel: hits for rel, hits in _environ_reads().items() if rel not in ENVIRON_READERS}
-    grown = {rel: hits for rel, hits in reads.items() if len(hits) > ENVIRON_RATCHET.get(rel, 0)}
-    assert grown == {}, "read them through gpufleet.runtime"
-    shrunk = {rel: n for rel, n in ENVIRON_RATCHET.items() if len(reads.get(rel, [])) < n}
-    assert shrunk == {}, "fewer readers than the ratchet allows: lower its counts"
-    assert "runtime.py" in _environ_reads()
+    reads = _environ_reads()
+    assert {rel: hits for rel, hits in reads.items() if rel not in ENVIRON_READERS} == {}, \
+        "read them through gpufleet.runtime"  # fmt: skip
+    assert [rel for rel in ENVIRON_READERS if rel not in reads] == [], "it reads none: drop it from ENVIRON_READERS"

@@ -48,8 +48,6 @@ if TYPE_CHECKING:
     from .store import RunStore
 
 
-REGISTRY_ENV = envcontract.REGISTRY
-WAIT_ENV = envcontract.REGISTRY_WAIT_S
 #: Seconds a record waits for a busy store before it is skipped.
 DEFAULT_WAIT_S = 0.5
 #: Seconds the end of an attempt waits for a busy store before it goes to the run folder's outcome file.
@@ -63,12 +61,12 @@ _lock = threading.Lock()
 
 def enabled() -> bool:
     """Whether calls are recorded (``GPUFLEET_REGISTRY`` is not ``0``)."""
-    return os.environ.get(REGISTRY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get(envcontract.REGISTRY, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _wait_s() -> float:
     try:
-        return max(0.0, float(os.environ[WAIT_ENV]))
+        return max(0.0, float(os.environ[envcontract.REGISTRY_WAIT_S]))
     except (KeyError, ValueError):
         return DEFAULT_WAIT_S
 

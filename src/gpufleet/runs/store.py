@@ -61,7 +61,6 @@ __all__ = [
 HEARTBEAT_S = 2.0
 #: Seconds a CLI command waits for a store that another process keeps locked (``GPUFLEET_STORE_WAIT_S``).
 DEFAULT_WAIT_S = 30.0
-WAIT_ENV = envcontract.STORE_WAIT_S
 #: A run id given by prefix must have at least this many characters.
 MIN_PREFIX = 6
 #: Milliseconds SQLite itself waits for a lock before the store's own backoff takes over.
@@ -85,7 +84,7 @@ class StoreBusyError(StoreError, TimeoutError):
     """Another process kept the run store locked for longer than the store waits."""
 
 
-def store_wait_s(default: float = DEFAULT_WAIT_S, env: str = WAIT_ENV) -> float:
+def store_wait_s(default: float = DEFAULT_WAIT_S, env: str = envcontract.STORE_WAIT_S) -> float:
     """Seconds to wait for a locked store: ``$env`` when it is a number >= 0, else ``default``."""
     try:
         value = float(os.environ[env])

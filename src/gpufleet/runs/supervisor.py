@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 
 #: Seconds a supervisor waits for a locked run store in one write (``GPUFLEET_SUPERVISOR_STORE_WAIT_S``).
 STORE_WAIT_S = 600.0
-STORE_WAIT_ENV = envcontract.SUPERVISOR_STORE_WAIT_S
 #: Seconds a supervisor keeps trying to record a run's outcome in the store (at least).
 FINISH_WAIT_S = 600.0
 LOG_FILE = "supervisor.log"
@@ -99,7 +98,7 @@ class Supervisor:
 
     def __init__(self, run_id: str, home: str | None) -> None:
         self.log: IO[str] = sys.stderr
-        self.store_wait_s = store_wait_s(STORE_WAIT_S, STORE_WAIT_ENV)
+        self.store_wait_s = store_wait_s(STORE_WAIT_S, envcontract.SUPERVISOR_STORE_WAIT_S)
         self.store = RunStore(home, wait_s=self.store_wait_s, on_busy=self._on_busy)
         self.run = self.store.get(run_id)
         self.run_dir = Path(self.run.run_dir)

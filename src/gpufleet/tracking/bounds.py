@@ -31,7 +31,6 @@ from ..launch.node import envcontract
 
 T = TypeVar("T")
 
-WAIT_ENV = envcontract.TRACKING_WAIT_S
 DEFAULT_WAIT_S = 30.0
 PROBE_S = 3.0
 VERDICT_S = 30.0  # how long one probe's verdict is reused for the same server
@@ -47,7 +46,7 @@ class TrackingStalledError(GpufleetError, TimeoutError):
 def tracking_wait_s() -> float:
     """Seconds gpufleet waits for one tracking step: ``$GPUFLEET_TRACKING_WAIT_S`` (default 30, at least 0.1)."""
     try:
-        value = float(os.environ.get(WAIT_ENV) or DEFAULT_WAIT_S)
+        value = float(os.environ.get(envcontract.TRACKING_WAIT_S) or DEFAULT_WAIT_S)
     except ValueError:
         return DEFAULT_WAIT_S
     return max(0.1, value) if value == value and value != float("inf") else DEFAULT_WAIT_S
@@ -75,7 +74,7 @@ def bounded(fn: Callable[[], T], what: str, timeout_s: float | None = None) -> T
     if thread.is_alive():
         raise TrackingStalledError(
             f"the tracking store did not answer within {limit:g} s ({what}); gpufleet goes on without it "
-            f"(set {WAIT_ENV} to wait longer)"
+            f"(set {envcontract.TRACKING_WAIT_S} to wait longer)"
         )
     if "error" in box:
         raise box["error"]

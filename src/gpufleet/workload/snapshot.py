@@ -51,8 +51,6 @@ def _secrets_file(rel: str, include_paths: list[str] | None) -> bool:
 #: The run store's file; a folder holding one (a SQLite database) is a gpufleet state folder.
 STORE_FILE = "runs.db"
 
-MAX_FILES_ENV = envcontract.SNAPSHOT_MAX_FILES
-MAX_BYTES_ENV = envcontract.SNAPSHOT_MAX_BYTES
 DEFAULT_MAX_FILES = 10_000
 DEFAULT_MAX_BYTES = 2**30
 
@@ -93,8 +91,8 @@ class Limits:
         """The defaults, or ``GPUFLEET_SNAPSHOT_MAX_FILES`` / ``_MAX_BYTES`` (0: no limit)."""
         env = os.environ if environ is None else environ
         return cls(
-            _env_limit(env, MAX_FILES_ENV, DEFAULT_MAX_FILES, _parse_count),
-            _env_limit(env, MAX_BYTES_ENV, DEFAULT_MAX_BYTES, _parse_size),
+            _env_limit(env, envcontract.SNAPSHOT_MAX_FILES, DEFAULT_MAX_FILES, _parse_count),
+            _env_limit(env, envcontract.SNAPSHOT_MAX_BYTES, DEFAULT_MAX_BYTES, _parse_size),
         )
 
 
@@ -192,7 +190,7 @@ def _env_limit(env: Mapping[str, str], name: str, default: int, parse: object) -
     try:
         value = parse(raw)  # type: ignore[operator]
     except ValueError:
-        example = "50000" if name == MAX_FILES_ENV else "4GiB"
+        example = "50000" if name == envcontract.SNAPSHOT_MAX_FILES else "4GiB"
         raise SnapshotError(f"{name}={raw!r} is not a limit; use e.g. {name}={example} (0: no limit)", name) from None
     if value < 0:
         raise SnapshotError(f"{name}={raw!r} is negative; use 0 for no limit", name)
@@ -297,14 +295,14 @@ class _Scan:
         if max_files is not None and n > max_files:
             raise SnapshotError(
                 f"more than {max_files:,} files to copy under {str(self.shown)!r} (stopped counting at {n:,}, "
-                f"at {rel}); {cut}; to allow more, set {MAX_FILES_ENV}=<count> (0: no limit)"
+                f"at {rel}); {cut}; to allow more, set {envcontract.SNAPSHOT_MAX_FILES}=<count> (0: no limit)"
             )
         if max_bytes is not None and self.bytes > max_bytes:
             size, largest = self.largest
             raise SnapshotError(
                 f"more than {fmt_bytes(max_bytes)} to copy under {str(self.shown)!r} ({fmt_bytes(self.bytes)} in "
                 f"{n:,} files so far; the largest: {largest}, {fmt_bytes(size)}); {cut}; to allow more, "
-                f"set {MAX_BYTES_ENV}=<size, e.g. 4GiB> (0: no limit)"
+                f"set {envcontract.SNAPSHOT_MAX_BYTES}=<size, e.g. 4GiB> (0: no limit)"
             )
 
     def result(self) -> list[Entry]:

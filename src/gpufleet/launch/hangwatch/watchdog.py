@@ -33,8 +33,6 @@ from .diagnosis import Diagnosis, diagnose
 
 logger = logging.getLogger(__name__)
 
-FLOOR_ENV = envcontract.HANG_FLOOR_S
-FACTOR_ENV = envcontract.HANG_FACTOR
 #: Looks at each rank (group, progress records, now) -> each rank's :class:`activity.Sample`.
 Sampler = Callable[[Any, Mapping[int, Mapping[str, Any]], float], dict[int, activity.Sample]]
 #: Steps every rank must have reached before the fast path learns (the first one may compile).
@@ -64,7 +62,7 @@ class HangSettings:
         """The settings for ``hang_timeout=long_s``, with the fast limit from the environment."""
         env = os.environ if env is None else env
         values: dict[str, float] = {}
-        for name, key, lowest in ((FLOOR_ENV, "floor_s", 0.0), (FACTOR_ENV, "factor", 1.0)):
+        for name, key, lowest in ((envcontract.HANG_FLOOR_S, "floor_s", 0.0), (envcontract.HANG_FACTOR, "factor", 1.0)):
             raw = env.get(name)
             if raw in (None, ""):
                 continue

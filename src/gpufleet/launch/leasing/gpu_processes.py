@@ -27,11 +27,6 @@ from ...errors import LaunchConfigError
 from ..gpus import FAKE_GPUS_ENV, GPUInfo
 from ..node import envcontract
 
-IGNORE_FOREIGN_ENV = envcontract.IGNORE_FOREIGN_GPU_PROCESSES
-#: Test override of NVML's process list on fake GPUs: ``"0=1234,1=5678:512:0"`` (GPU index = pid[:MiB:util %]).
-FAKE_PROCESSES_ENV = envcontract.FAKE_GPU_PROCESSES
-BUSY_MEMORY_ENV = envcontract.FOREIGN_GPU_MEMORY_MIB
-BUSY_UTIL_ENV = envcontract.FOREIGN_GPU_UTIL_PERCENT
 #: A process outside gpufleet with at least this much GPU memory (MiB) makes its GPU busy
 #: (a bare CUDA context of PyTorch is about 500 MiB; one that loaded cuDNN/cuBLAS kernels, up to ~1 GiB).
 BUSY_MEMORY_MIB = 2048
@@ -69,9 +64,9 @@ class ForeignProcess:
         """Whether it makes its GPU busy: above either threshold, or its use cannot be read."""
         if self.memory_bytes is None and self.util_percent is None:
             return True
-        if self.memory_bytes is not None and self.memory_bytes >= _threshold(BUSY_MEMORY_ENV, BUSY_MEMORY_MIB) * 2**20:
+        if self.memory_bytes is not None and self.memory_bytes >= _threshold(envcontract.FOREIGN_GPU_MEMORY_MIB, BUSY_MEMORY_MIB) * 2**20:
             return True
-        return self.util_percent is not None and self.util_percent >= _threshold(BUSY_UTIL_ENV, BUSY_UTIL_PERCENT)
+        return self.util_percent is not None and self.util_percent >= _threshold(envcontract.FOREIGN_GPU_UTIL_PERCENT, BUSY_UTIL_PERCENT)
 
     def _use(self) -> str:
         parts = []
@@ -183,7 +178,7 @@ def _nvml_processes(gpus: Sequence[GPUInfo]) -> dict[str, list[_Seen]]:
 
 def _fake_processes(gpus: Sequence[GPUInfo]) -> dict[str, list[_Seen]]:
     by_index: dict[int, list[_Seen]] = {}
-    for item in os.environ.get(FAKE_PROCESSES_ENV, "").split(","):
+    for item in os.environ.get(envcontract.FAKE_GPU_PROCESSES, "").split(","):
         index, _, rest = item.partition("=")
         pid, *use = rest.split(":")
         if not (index.strip().isdigit() and pid.strip().isdigit()):
@@ -197,7 +192,7 @@ def _fake_processes(gpus: Sequence[GPUInfo]) -> dict[str, list[_Seen]]:
 
 def foreign_processes(gpus: Sequence[GPUInfo]) -> dict[str, tuple[ForeignProcess, ...]]:
     """Compute processes on each GPU (by uuid) outside gpufleet: busy ones and idle neighbours (``.busy``)."""
-    if os.environ.get(IGNORE_FOREIGN_ENV, "").strip() in ("1", "true", "yes"):
+    if os.environ.get(envcontract.IGNORE_FOREIGN_GPU_PROCESSES, "").strip() in ("1", "true", "yes"):
         return {}
     seen_of = _fake_processes(gpus) if os.environ.get(FAKE_GPUS_ENV) else _nvml_processes(gpus)
     if not any(seen_of.values()):

@@ -40,7 +40,7 @@ TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 #: What spec.node_env adds to a node command's environment (beside RUN_ID and ATTEMPT).
 NODE_VARS = (WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, NUM_NODES, MASTER_ADDR, MASTER_PORT)
-#: What spec.rank_env adds to that for one rank.
+#: What spec.rank_env adds to that for one rank (spec.rank_vars, also for the Slurm rank tasks).
 RANK_VARS = (RANK, LOCAL_RANK, GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, TORCHELASTIC_RUN_ID)
 #: torchrun's redirection of its workers' output. Set by node/ranklines.py for the command; read by torchrun.
 PET_REDIRECTS = "PET_REDIRECTS"
