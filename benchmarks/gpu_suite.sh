@@ -73,7 +73,8 @@ t = time.perf_counter(); h = distributed(where, gpus=1, tracking=False).submit(d
 print(f"submitted in {time.perf_counter() - t:.2f} s", file=sys.stderr); print(h.run_id)
 PY
 )
-    t0=$(date +%s.%N); $py -m gpufleet.cli wait "$rid"; echo "wait rc=$? after $(echo "$(date +%s.%N) - $t0" | bc) s"
+    t0=$(date +%s.%N); $py -m gpufleet.cli wait "$rid"; rc=$?
+    echo "wait rc=$rc after $($py -c "import sys, time; print(f'{time.time() - float(sys.argv[1]):.2f}')" "$t0") s"
     $py -c "import sys; from gpufleet import run_handle; h = run_handle(sys.argv[1]); print(h.status, h.result(60))" "$rid"
     $py -m gpufleet.cli get "$rid" -o json | $py -c "import json, sys; r = json.load(sys.stdin); print(r['state'], r['placement'], [(a['attempt'], a['state']) for a in r['attempts']])"
     step workload recipe; ONLY=fsdp2-qwen-27b-packing ACCELERATOR=$acc NUM_ACCELERATORS=1 bash recipes/run_gpu_smoke.sh "$out/smoke" 2>&1 | tail -4
