@@ -1,7 +1,10 @@
 """A small DDP training run for a CPU workload: every rank fits y = sin(sum(x)) with gloo.
 
 Started by torchrun (see workload.yaml); reads its parameters from $HYPERPARAMETERS_PATH and
-logs rank 0's loss into the attempt's MLflow run. Runs on any machine, no GPU needed:
+logs rank 0's loss into the attempt's MLflow run. It ends with ``runtime.finish()``, as every
+script that torchrun starts should (docs/workloads.md says why: DDP keeps the gloo group alive
+after ``destroy_process_group()``, and a gloo thread that frees a tensor while Python tears down
+aborts the rank after it trained to its end). Runs on any machine, no GPU needed:
 
     gpufleet run -f examples/cpu-workload/workload.yaml --watch
 """
@@ -15,6 +18,7 @@ import torch.distributed as dist
 import yaml
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gpufleet import runtime
 from gpufleet.tracking import log_metrics
 
 
@@ -39,8 +43,8 @@ def main() -> None:
             if rank == 0:
                 print(f"step {step:4d}  loss {loss.item():.4f}")
     print(f"rank {rank} of {world} done")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    runtime.finish()  # ends the gloo group, then exits without Python's teardown
