@@ -152,6 +152,7 @@ class DistributedFunction:
         from .faults import faults_env
         from .launch.controller import Controller
         from .launch.logstream import LogConfig
+        from .launch.node import envcontract
         from .launch.policy import RetryPolicy
         from .launch.progress import watchdog_env
         from .launch.spec import LaunchSpec, Payload
@@ -175,6 +176,8 @@ class DistributedFunction:
 
         view = choose_view(opts.live) if live else None
         env = {**live_env(view, watchdog_env(opts.hang_timeout)), **opts.env, **secret_env(secrets)}
+        if opts.recovery == "replace":
+            env[envcontract.RECOVERY] = "replace"
         name = opts.name or getattr(self.func, "__name__", "run")
 
         def attempt_run(attempt: int) -> tuple[str, Callable[[str], RunDir]]:
@@ -214,6 +217,12 @@ class DistributedFunction:
             from .launch.leasing.gpu_requests import call_gpu_request
 
             found = resolve_local(opts.gpus, opts.gpu_type)
+            if opts.recovery == "replace" and found.use_gpus:
+                raise LaunchConfigError(
+                    "recovery='replace' replaces ranks of CPU workers (gloo) for now: on GPUs a survivor blocked "
+                    "in an NCCL collective must have its communicator aborted first, which gpufleet does not do "
+                    "yet. Use recovery='restart' with max_retries (every rank restarts from the newest checkpoint)"
+                )
             from .faults import check_fit
 
             check_fit(opts.faults, found.num_workers, None)  # gpus=None: every GPU here, known now
@@ -222,7 +231,7 @@ class DistributedFunction:
 
             from .launch.engines.local.warm import WarmWorkerGroup, resolve_keep_warm
 
-            keep_warm = resolve_keep_warm(opts.keep_warm)
+            keep_warm = 0 if opts.recovery == "replace" else resolve_keep_warm(opts.keep_warm)
             warm_key = self._warm_key(found.num_workers, placement)
 
             def make_group(attempt: int) -> WorkerGroup:
@@ -262,7 +271,7 @@ class DistributedFunction:
             ))
         return Controller(
             make_group, timeout_s=opts.timeout, grace_period_s=opts.grace_period_s,
-            policy=RetryPolicy.for_call(opts.max_retries), callbacks=callbacks, hang_timeout_s=opts.hang_timeout,
+            policy=RetryPolicy.for_call(opts.max_retries, opts.recovery), callbacks=callbacks, hang_timeout_s=opts.hang_timeout,
         )
 
     def _warm_key(self, num_workers: int, placement: Any) -> tuple[Any, ...]:
@@ -363,7 +372,10 @@ def distributed(
             rank read at each launch, ``{"HF_TOKEN": {"env": "HF_TOKEN"}}`` or ``{"file":
             PATH}``: never stored, masked in the logs), ``run_name`` (the MLflow run's name),
             ``live`` (``.distributed()`` shows a live panel in a notebook cell and a status line
-            in a terminal; False: off, as with ``GPUFLEET_LIVE=0``; see :mod:`gpufleet.live`).
+            in a terminal; False: off, as with ``GPUFLEET_LIVE=0``; see :mod:`gpufleet.live`),
+            ``recovery`` (``"replace"``: a rank whose process dies is replaced in place while the
+            others keep their processes and go on from the last step every rank completed;
+            default ``"restart"``; see docs/recovery.md).
 
     Works bare (``@distributed``) and with arguments (``@distributed(gpus=2)``).
     """

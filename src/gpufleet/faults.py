@@ -54,6 +54,9 @@ class Fault:
         code: the exit code of ``exit`` (0 to 255).
         factor: how much slower ``slow`` makes each step.
         attempt: the attempt it hits (1: the first; a retry then runs without it); None: every attempt.
+        incarnation: which process of the rank it hits when the rank is replaced in place
+            (``recovery="replace"``): 1, the first (its replacement then runs without it); 2, the
+            first replacement; None: every one.
     """
 
     action: str
@@ -63,6 +66,7 @@ class Fault:
     code: int = 1
     factor: float = 2.0
     attempt: int | None = 1
+    incarnation: int | None = 1
 
     def check(self) -> Fault:
         """Refuse a fault that could never fire or makes no sense, saying why (every problem at once)."""
@@ -76,21 +80,21 @@ class Fault:
         parts = [str(self.action)]
         for key in _KEYS_OF.get(self.action, ()):
             value = getattr(self, key)
-            if key == "attempt":
+            if key in ("attempt", "incarnation"):
                 if value != 1:
-                    parts.append(f"attempt={'all' if value is None else value}")
+                    parts.append(f"{key}={'all' if value is None else value}")
             elif value is not None and not (key == "code" and value == 1) and not (key == "factor" and value == 2.0):
                 parts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
         return repr(":".join(parts))
 
 
-_KEYS = {"rank": int, "step": int, "after": float, "code": int, "factor": float, "attempt": int}
+_KEYS = {"rank": int, "step": int, "after": float, "code": int, "factor": float, "attempt": int, "incarnation": int}
 #: The keys each action takes.
 _KEYS_OF = {
-    "kill": ("rank", "step", "after", "attempt"),
-    "hang": ("rank", "step", "after", "attempt"),
-    "exit": ("rank", "step", "after", "code", "attempt"),
-    "slow": ("rank", "factor", "attempt"),
+    "kill": ("rank", "step", "after", "attempt", "incarnation"),
+    "hang": ("rank", "step", "after", "attempt", "incarnation"),
+    "exit": ("rank", "step", "after", "code", "attempt", "incarnation"),
+    "slow": ("rank", "factor", "attempt", "incarnation"),
 }
 
 
@@ -123,6 +127,9 @@ def _problems(fields: Mapping[str, Any], given: Iterable[str] | None) -> list[st
         out.append(f"rank must be an integer >= 0 (a global rank), got {rank!r}")
     if attempt is not None and (not _is_int(attempt) or attempt < 1):
         out.append(f"attempt must be an integer >= 1 (1: the first), got {attempt!r}")
+    incarnation = fields.get("incarnation", 1)
+    if incarnation is not None and (not _is_int(incarnation) or incarnation < 1):
+        out.append(f"incarnation must be an integer >= 1 (1: the rank's first process), got {incarnation!r}")
     if action == "slow":
         if not _is_number(factor) or not math.isfinite(factor) or not 1 <= factor <= MAX_FACTOR:
             out.append(f"a slow fault needs a factor from 1 to {MAX_FACTOR:g} (how many times as long each step "
@@ -157,7 +164,7 @@ def _fields_of(spec: str | Mapping[str, Any]) -> tuple[dict[str, Any], list[str]
             problems.append(f"{part!r} is not key=value with a key among {', '.join(_KEYS)}")
         elif key in fields:
             problems.append(f"{key} is given twice")
-        elif key == "attempt" and value in ("all", "every"):
+        elif key in ("attempt", "incarnation") and value in ("all", "every"):
             fields[key] = None
         else:
             try:
@@ -273,7 +280,9 @@ def arm(rank: int, at_start: bool = False) -> None:
         return
     if at_start:
         _armed_at_start = (raw, rank)
-    mine = [f for f in (Fault(**d).check() for d in json.loads(raw)) if f.rank is None or f.rank == rank]
+    incarnation = int(os.environ.get(envcontract.INCARNATION) or 1)
+    mine = [f for f in (Fault(**d).check() for d in json.loads(raw))
+            if (f.rank is None or f.rank == rank) and (f.incarnation is None or f.incarnation == incarnation)]  # fmt: skip
     _unfired, _armed_since = list(mine), time.monotonic()
     if mine and not _told_at_exit:
         import atexit

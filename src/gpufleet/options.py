@@ -49,6 +49,9 @@ class LaunchOptions:
     slurm: dict[str, Any] = field(default_factory=dict)
     #: The live view of a blocking call (:mod:`gpufleet.live`): None/True where it can be shown, False: off.
     live: bool | None = None
+    #: What a rank's death costs: "restart" every rank (from the newest checkpoint, with ``max_retries``)
+    #: or "replace" that rank in place (docs/recovery.md).
+    recovery: str = "restart"
 
     def check(self) -> None:
         """Reject wrong settings with a message that says what is allowed."""
@@ -122,6 +125,15 @@ class LaunchOptions:
             raise LaunchConfigError(f"run_name must be a non-empty string (the MLflow run's name) or None, got {self.run_name!r}")
         if self.live is not None and not isinstance(self.live, bool):
             raise LaunchConfigError(f"live must be True, False or None (the live panel / status line), got {self.live!r}")
+        if self.recovery not in ("restart", "replace"):
+            raise LaunchConfigError(f"recovery must be 'restart' (every rank restarts after a rank's death) or "
+                                    f"'replace' (the dead rank is replaced in place), got {self.recovery!r}")  # fmt: skip
+        if self.recovery == "replace" and self.remote:
+            raise LaunchConfigError("recovery='replace' replaces ranks on this machine only for now; on Ray or Slurm "
+                                    "use recovery='restart' with max_retries")  # fmt: skip
+        if self.recovery == "replace" and self.keep_warm:
+            raise LaunchConfigError("recovery='replace' starts its ranks fresh for each call: drop keep_warm "
+                                    "(or set keep_warm=False)")  # fmt: skip
         if not isinstance(self.remote, (bool, str)):
             raise LaunchConfigError(f"remote must be False, True, 'slurm' or a Ray address string, got {self.remote!r}")
         if not isinstance(self.slurm, dict):

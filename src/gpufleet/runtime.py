@@ -158,11 +158,17 @@ def setup(backend: str | None = None, timeout_s: float | None = None) -> Any:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     if dev.type == "cuda" and "nccl" in backend:
         kwargs["device_id"] = dev  # eager NCCL init: the first collective does not stall
-    if is_distributed_env():
-        dist.init_process_group(**kwargs, init_method="env://")
-    else:
-        kwargs.pop("device_id", None)
-        dist.init_process_group(**kwargs, store=dist.HashStore(), rank=0, world_size=1)
+    from .launch import replace
+
+    joining = replace.init_arguments() if is_distributed_env() else None
+    with replace.group_sockets():  # with recovery="replace": the connections a survivor shuts when a peer dies
+        if joining is not None:  # a later generation of a group that replaced a rank in place
+            dist.init_process_group(**kwargs, **joining)
+        elif is_distributed_env():
+            dist.init_process_group(**kwargs, init_method="env://")
+        else:
+            kwargs.pop("device_id", None)
+            dist.init_process_group(**kwargs, store=dist.HashStore(), rank=0, world_size=1)
     _end_gloo_group_at_exit()
     return dev
 

@@ -361,3 +361,59 @@ def _resume_into_fresh_objects(ckpt_dir: str, strategy: str) -> dict[str, Any]:
         "lr": scheduler.get_last_lr(),
         "rng": torch.get_rng_state(),
     }
+
+
+def train_replaceable(ckpt_dir: str, data_dir: str, total_steps: int, record_dir: str, *, num_workers: int = 0,
+                      raise_at: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """The loop of docs/recovery.md: like :func:`train`, over ``manager.steps(...)``; each step's
+    record (step, loss, sample ids, pid) is appended to ``record_dir/rank{R}.jsonl`` as it ends, since
+    a rank replaced in place runs this function again. ``raise_at``: rank 1 raises at that step."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from gpufleet import runtime
+    from gpufleet.checkpoint import CheckpointManager
+    from gpufleet.data import FileDataset, TimedDataLoader
+
+    runtime.setup()
+    rank = dist.get_rank()
+    model = wrap(build_model(), "ddp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
+    dataset = FileDataset(data_dir, pattern="*.pt", cache_dir=Path(ckpt_dir).parent / "cache", seed=7)
+    loader = TimedDataLoader(dataset, batch_size=2, num_workers=num_workers)
+    manager = CheckpointManager(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, dataloader=loader)
+    torch.manual_seed(100 + rank)
+    random.seed(200 + rank)
+    np.random.seed(300 + rank)
+    resumed = manager.resume()
+    start = resumed or 0
+    it = iter(loader)
+    with open(Path(record_dir) / f"rank{rank}.jsonl", "a") as out:
+        for step in manager.steps(start + 1, total_steps + 1):
+            try:
+                batch = next(it)
+            except StopIteration:  # a new epoch
+                it = iter(loader)
+                batch = next(it)
+            if raise_at == step and rank == 1:
+                raise ValueError(f"a bug at step {step}")
+            ids, x, y = batch[:, 0], batch[:, 1:-1], batch[:, -1:]
+            x = x + 0.01 * torch.randn_like(x) + float(np.random.normal(0, 0.01)) + random.uniform(-0.01, 0.01)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            record = {"step": step, "loss": loss.item(), "ids": ids.long().tolist(), "pid": os.getpid()}
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+    manager.close()
+    return {"rank": rank, "params": full_params(model), "pid": os.getpid(), "attempt": os.environ.get("GPUFLEET_ATTEMPT")}
+
+
+def read_records(record_dir: str, rank: int) -> list[dict[str, Any]]:
+    """The records :func:`train_replaceable` appended for ``rank``, in order."""
+    lines = (Path(record_dir) / f"rank{rank}.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]

@@ -132,7 +132,7 @@ def make(tmp_path, scripts, clock=None, **kwargs):
         return group
 
     kwargs.setdefault("timeout_s", None)
-    policy = {k: kwargs.pop(k) for k in ("max_retries", "retry_on", "timeout_per_attempt", "backoff_s", "cancel_wins")
+    policy = {k: kwargs.pop(k) for k in ("max_retries", "retry_on", "timeout_per_attempt", "backoff_s", "cancel_wins", "recovery")
               if k in kwargs}  # fmt: skip
     return Controller(make_group, clock=clock, poll_s=0.02, policy=RetryPolicy(**policy), **kwargs), groups, clock
 

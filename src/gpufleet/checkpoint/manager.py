@@ -21,13 +21,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..launch.progress import section
-from . import layout
+from . import in_memory, layout
 from .async_save import PendingSave, make_stager
 from .deepspeed_engine import check_engine_options, is_deepspeed_engine, load_engine, save_engine
 from .errors import CheckpointError
@@ -183,6 +183,7 @@ class CheckpointManager:
             except OSError as e:  # no permission, a read-only file system, a file on the way
                 raise CheckpointError(f"the checkpoint folder {self.root} cannot be created: {e.strerror or e}; choose "
                                       "a folder you can write to (root=)") from None  # fmt: skip
+        self._kept = in_memory.track(model, optimizers, scheduler, self.stateful, dataloader, save_rng)
         from .preemption import watch_termination
 
         watch_termination()  # in a Slurm workload, a preemption's SIGTERM becomes a checkpoint (save_if_preempted)
@@ -371,6 +372,25 @@ class CheckpointManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def steps(self, start: int, stop: int) -> Iterator[int]:
+        """``range(start, stop)`` for the training loop, telling gpufleet where each step ends.
+
+        ``for step in ckpt.steps(start + 1, total_steps + 1):`` counts each step for the live
+        view, the hang watchdog and injected faults (a fault ``step=N`` fires as step N begins).
+        With ``recovery="replace"`` each step's end is also what a rank replaced in place
+        continues from (:mod:`gpufleet.checkpoint.in_memory`): this rank's RNG states and
+        data-loader position are kept then (in memory, and in a small file of the run folder).
+        """
+        from ..launch import progress
+
+        for step in range(start, stop):
+            if self._kept is not None:
+                in_memory.mark_boundary(self._kept, step - 1, self.rank)
+            progress.note_reported_step(step)
+            yield step
+        if self._kept is not None and stop > start:
+            in_memory.mark_boundary(self._kept, stop - 1, self.rank)
+
     # -- loading --------------------------------------------------------------------------
     def resume(self) -> int | None:
         """Load the newest checkpoint that loads (call on every rank).
@@ -390,6 +410,9 @@ class CheckpointManager:
                 each checkpoint tried and why it was skipped. The model and optimizer may then
                 hold part of a checkpoint: build them again before starting without one.
         """
+        if in_memory.joining():  # a rank was replaced in place: the last completed step, from a peer
+            with section("recovery join"):
+                return in_memory.join(self)
         with section("checkpoint resume"):  # a long phase: never taken for a hang
             return self._resume()
 

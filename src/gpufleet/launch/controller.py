@@ -8,8 +8,12 @@ the tracking hooks (:class:`ControllerCallback`). What follows an attempt that d
 :class:`~gpufleet.launch.policy.RetryPolicy`'s decision, which the controller carries out. A
 worker group only starts, polls and stops (:mod:`gpufleet.launch.group`).
 
+Within an attempt, a rank whose process died is replaced in place when the policy agrees
+(``recovery="replace"``, :meth:`~gpufleet.launch.policy.RetryPolicy.why_not_replace`); the
+group starts the new process and tells the survivors.
+
 One concern past 400 lines: the decisions over a group's life (deadline, settle, cancel,
-Ctrl-C, hang watchdog, retries, hooks), kept in one loop so that their order is seen at once.
+Ctrl-C, hang watchdog, replacements, retries, hooks), kept in one loop so that their order is seen at once.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from ..states import CANCEL_REASON, CANCELED, FAILED, PENDING, RUNNING, SUCCESS,
 from .failures import failed_error, load_values
 from .group import GroupStartCanceled, GroupStatus, WorkerGroup
 from .hangwatch.watchdog import HangSettings, Verdict, Watchdog, write_note
-from .policy import Action, AttemptEnded, Decision, RetryPolicy
+from .policy import Action, AttemptEnded, Decision, RankLost, RetryPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -321,6 +325,8 @@ class Controller:
                 if self._cancel is not None:  # asked during the poll (a lost node, say): the cancel wins
                     return self._canceled(group)
                 if status.failures:
+                    if self._replaced(group, status):
+                        continue
                     return self._failed(group, status)
                 if status.succeeded:
                     group.close(True)
@@ -384,6 +390,28 @@ class Controller:
                               f"  full report (last collectives, every rank's stacks): {report}"])  # fmt: skip
         error = DistributedHangError(failures, status.num_ranks, str(group.run_dir.path), headline)
         return AttemptOutcome(TIMEDOUT, error=error, status=status)
+
+    def _replaced(self, group: WorkerGroup, status: GroupStatus) -> bool:
+        """With ``recovery="replace"``: a rank whose process died gets a new one in place, when the
+        policy agrees; True if it did (the attempt goes on). Either way the caller hears it in one line."""
+        if not group.replaces_ranks:
+            return False
+        first = status.first_failure()
+        assert first is not None
+        cause = first.signal_name or first.exc_type or (f"exit code {first.exit_code}" if first.exit_code else first.kind)
+        lost = RankLost(first.rank, first.kind, cause, failed=len(status.failures),
+                        replacements=getattr(group, "replacements", {}).get(first.rank, 0),
+                        canceled=self._cancel is not None, time_left=self.time_left())  # fmt: skip
+        why_not = self.policy.why_not_replace(lost)
+        if why_not is not None:
+            group.refuse_replacement(first.rank, cause, why_not)
+            print(f"gpufleet: run {group.run_id}: rank {first.rank} failed ({cause}); not replaced in place: {why_not}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return False
+        pid = group.replace(first.rank, cause)
+        print(f"gpufleet: run {group.run_id}: rank {first.rank} died ({cause}); replaced in place by a new "
+              f"process (pid {pid}); the other ranks go on", file=sys.stderr, flush=True)  # fmt: skip
+        return True
 
     def _failed(self, group: WorkerGroup, status: GroupStatus) -> AttemptOutcome:
         # Let the other ranks report for a moment: the same error on several ranks is then

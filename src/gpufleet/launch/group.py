@@ -165,6 +165,18 @@ class WorkerGroup(abc.ABC):
         Returns the final status.
         """
 
+    #: A dead rank can be replaced in place (:meth:`replace`); only the local group, with ``recovery="replace"``.
+    replaces_ranks: bool = False
+
+    def replace(self, rank: int, cause: str) -> int:
+        """Start a new process for rank ``rank``, whose process died of ``cause``, and tell the
+        survivors to go on with it; the new process's pid."""
+        raise NotImplementedError(f"{type(self).__name__} cannot replace a rank in place")
+
+    def refuse_replacement(self, rank: int, cause: str, reason: str) -> None:
+        """Tell the survivors that rank ``rank`` is not replaced (they report their errors at once)."""
+        return None
+
     @abc.abstractmethod
     def close(self, succeeded: bool) -> None:
         """Release what the group holds once the controller has its outcome (safe to call twice).

@@ -17,6 +17,12 @@ once per ended attempt, what comes next. Calls and workloads differ only in thei
 
 A decision is a value (:class:`Decision`) computed from what the controller knows; the policy
 keeps no state, so asking twice gives the same answer.
+
+Within an attempt, with ``recovery="replace"``, a rank whose *process* died is replaced in place
+(:meth:`RetryPolicy.why_not_replace`): the survivors keep their processes and the attempt goes on.
+A rank that raised (a bug happens again), a second death of a slot already replaced, several ranks
+failing at once, a cancel or an exhausted timeout take the attempt's usual end instead, and with
+it the retries above.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from ..errors import EXIT, NO_RESULT, SIGNAL
 from ..states import CANCELED, FAILED, TIMEDOUT, RunState
 
 #: A retry needs at least this much of a whole-run timeout left.
@@ -71,6 +78,28 @@ class AttemptEnded:
 
 
 @dataclass(frozen=True)
+class RankLost:
+    """What the controller knows when a rank fails while the others still run."""
+
+    rank: int
+    #: The failure's kind (:mod:`gpufleet.errors`): ``signal``, ``exit``, ``no result``, ``exception``...
+    kind: str
+    #: How the rank ended, in words ("SIGKILL", "exit code 3", "ValueError").
+    cause: str
+    #: Ranks failed so far in this attempt (this one included).
+    failed: int = 1
+    #: Replacements of this rank's slot so far in this attempt.
+    replacements: int = 0
+    canceled: bool = False
+    #: Seconds left before the deadline (None: none).
+    time_left: float | None = None
+
+
+#: The failure kinds that are a process's death.
+PROCESS_DEATHS = (SIGNAL, EXIT, NO_RESULT)
+
+
+@dataclass(frozen=True)
 class RetryPolicy:
     """When a run gets another attempt (module docstring)."""
 
@@ -85,6 +114,8 @@ class RetryPolicy:
     #: The pause before the first retry; each further retry waits twice as long, up to ``max_backoff_s``.
     backoff_s: float = 0.0
     max_backoff_s: float = 60.0
+    #: "replace": a rank whose process died is replaced in place (:meth:`why_not_replace`); "restart": never.
+    recovery: str = "restart"
 
     def __post_init__(self) -> None:
         if self.max_retries < 0 or self.max_preemptions < 0:
@@ -94,9 +125,9 @@ class RetryPolicy:
         object.__setattr__(self, "retry_on", tuple(RunState(s) for s in self.retry_on))
 
     @classmethod
-    def for_call(cls, max_retries: int) -> RetryPolicy:
+    def for_call(cls, max_retries: int, recovery: str = "restart") -> RetryPolicy:
         """A decorated call: a failed attempt is retried within the call's one timeout."""
-        return cls(max_retries=max_retries)
+        return cls(max_retries=max_retries, recovery=recovery)
 
     @classmethod
     def for_workload(cls, max_attempts: int) -> RetryPolicy:
@@ -127,3 +158,19 @@ class RetryPolicy:
         if not self.timeout_per_attempt and left is not None and left - delay < self.min_retry_s:
             return Decision(Action.GIVE_UP, ended.state, f"the timeout leaves {max(left, 0.0):.1f} s")
         return Decision(Action.RETRY, delay_s=delay)
+
+    def why_not_replace(self, lost: RankLost) -> str | None:
+        """None: replace rank ``lost.rank`` in place; else why not, in words (the attempt then ends as usual)."""
+        if self.recovery != "replace":
+            return "the run restarts every rank (recovery='restart')"
+        if lost.canceled:
+            return "the run is being canceled"
+        if lost.kind not in PROCESS_DEATHS:
+            return f"it raised {lost.cause} (an error of its own happens again; only a process's death is replaced)"
+        if lost.failed > 1:
+            return "more than one rank failed at once"
+        if lost.replacements > 0:
+            return f"its slot already failed {lost.replacements} time{'s' if lost.replacements > 1 else ''} in this attempt"
+        if lost.time_left is not None and lost.time_left < self.min_retry_s:
+            return f"the timeout leaves {max(lost.time_left, 0.0):.1f} s"
+        return None

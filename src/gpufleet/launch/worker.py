@@ -137,16 +137,31 @@ def load_call(call_bytes: bytes, rank: int, outcome_path: Path) -> tuple[Any, tu
 
 
 def run_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rank: int, outcome_path: Path) -> bool:
-    """Run the call as ``rank`` and write its outcome. Returns True on success."""
+    """Run the call as ``rank`` and write its outcome. Returns True on success.
+
+    With ``recovery="replace"``, a peer's death that the launcher answers with a replacement runs
+    the function again in this process, in the group's next generation (:mod:`gpufleet.launch.replace`).
+    """
     import cloudpickle
 
-    try:
-        value = func(*args, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 - SystemExit too: the caller must hear of it
-        _flush_tracking()
-        _write(outcome_path, ERROR, rank, **_describe_exception(exc))
-        _destroy_process_group()
-        return False
+    from . import replace
+
+    while True:
+        notice = None
+        try:
+            value = func(*args, **kwargs)
+            break
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: the caller must hear of it
+            notice = replace.verdict_after(exc)
+            if notice is None or notice.action != "replace":
+                _flush_tracking()
+                _write(outcome_path, ERROR, rank, **_describe_exception(exc))
+                _destroy_process_group()
+                return False
+            replace.forget(exc)  # its frames hold the old model and group
+        replace.next_generation(notice)  # outside the except block: nothing holds the old group now
+        print(f"gpufleet: rank {rank} lost its peer rank {notice.rank} ({notice.cause}); going on in place",
+              file=sys.stderr, flush=True)  # fmt: skip
     try:
         value_bytes = cloudpickle.dumps(value)
     except Exception as exc:
@@ -225,26 +240,12 @@ _store: Any = None  # the store rank 0 hosts, kept for the life of the process
 
 
 def _host_loopback_store() -> None:
-    """Host the run's rendezvous store on ``127.0.0.1:MASTER_PORT`` (rank 0 of a one-machine run).
-
-    torch's own rank 0 store listens on every interface, unauthenticated. With
-    ``TORCHELASTIC_USE_AGENT_STORE=True`` every rank (rank 0 included) is a client of the store
-    that the launcher side hosts, as under torchrun; here that is this listener, bound to loopback.
-    """
+    """Host the run's rendezvous store on ``127.0.0.1:MASTER_PORT`` (rank 0 of a one-machine run;
+    :mod:`gpufleet.launch.store` says why it is bound to loopback)."""
     global _store
-    import datetime
-    import socket
+    from . import store
 
-    from torch.distributed import TCPStore
-
-    port = runtime.required_int(envcontract.MASTER_PORT)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", port))
-    _store = TCPStore(
-        "127.0.0.1", port, runtime.required_int(envcontract.WORLD_SIZE), is_master=True, wait_for_workers=False,
-        timeout=datetime.timedelta(minutes=30), master_listen_fd=listener.detach(),
-    )
+    _store = store.host(runtime.required_int(envcontract.MASTER_PORT), runtime.required_int(envcontract.WORLD_SIZE))
 
 
 @contextlib.contextmanager

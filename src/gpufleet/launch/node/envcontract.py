@@ -69,6 +69,15 @@ LATE_ENV = "GPUFLEET_LATE_ENV"
 #: "0" turns off the rendezvous store rank 0 hosts on the loopback interface. Set by ray_launch.py
 #: (and the user); read by worker.py and the local engine.
 LOOPBACK_STORE = "GPUFLEET_LOOPBACK_STORE"
+#: "replace": a rank that dies is replaced in place (the launcher hosts the store; survivors wait
+#: for its verdict). Set by api.py; read by launch/replace.py and the checkpoint manager.
+RECOVERY = "GPUFLEET_RECOVERY"
+#: The process group's generation (0, then one more after each replacement). Set by the local group
+#: for a replacement and by launch/replace.py in a survivor; read by launch/replace.py.
+GENERATION = "GPUFLEET_GENERATION"
+#: Which process of its rank this is (1: the first; 2: its first replacement...). Set by the local
+#: group; read by faults.py and launch/replace.py.
+INCARNATION = "GPUFLEET_INCARNATION"
 #: The faults (a JSON list) an attempt rehearses. Set by faults.py; read by faults.py, the node guard
 #: and fault_boot/sitecustomize.py.
 FAULTS = "GPUFLEET_FAULTS"

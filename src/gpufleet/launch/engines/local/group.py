@@ -105,6 +105,11 @@ class LocalWorkerGroup(WorkerGroup):
         self._progress: dict[int, dict[str, Any]] = {}
         self._progress_read = 0.0
         self.rendezvous: Rendezvous | None = None
+        #: With ``recovery="replace"`` this process hosts the store (a rank that dies takes none of it).
+        self.replaces_ranks = spec.env.get(envcontract.RECOVERY) == "replace"
+        self._store: Any = None
+        self._generation = 0
+        self.replacements: dict[int, int] = {}
         self.engine = LocalEngine(spec.run_id, placement.gpu_request if placement.use_gpus else None,
                                   placement.gpu_indices if placement.use_gpus else (), holder="call")  # fmt: skip
 
@@ -142,9 +147,12 @@ class LocalWorkerGroup(WorkerGroup):
         env.update(default_threads(env, spec.world_size))
         if self.placement.master_addr == "127.0.0.1":
             # The rendezvous store listens on loopback only (rank 0 hosts it for the others, as
-            # torchrun's agent does), and so do gloo's connections between the ranks.
+            # torchrun's agent does, or this process does, see launch/store.py), and so do gloo's
+            # connections between the ranks.
+            if self.replaces_ranks:
+                env[LOOPBACK_STORE_ENV] = "0"
             env.setdefault(LOOPBACK_STORE_ENV, "1")  # "0" from a caller that puts another server on MASTER_PORT
-            if env[LOOPBACK_STORE_ENV] == "1":
+            if env[LOOPBACK_STORE_ENV] == "1" or self.replaces_ranks:
                 env[envcontract.TORCHELASTIC_USE_AGENT_STORE] = "True"
                 env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         return env
@@ -155,14 +163,49 @@ class LocalWorkerGroup(WorkerGroup):
         self.spec.payload.write(self.run_dir.payload)
         try:
             for rank in range(self.spec.world_size):
-                unit = Unit(rank, self._env(rank, self.rendezvous), run_dir=str(self.run_dir.path))
-                proc = self.engine.start(unit).popen
+                proc = self._start_rank(rank, {})
                 self._procs.append(proc)
                 self._pumps.append(_Pump(proc, RankLog(rank, self.run_dir.log(rank), self._logs)))
+            if self.replaces_ranks:  # after the start: the ranks' clients wait for it while they import torch
+                from ...store import host
+
+                self._store = host(self.rendezvous.port, self.spec.world_size)
         except BaseException:
             self.engine.stop_processes(self._procs, 0.5)
             raise
         logger.debug("run %s: %d ranks on port %d", self.run_id, len(self._procs), self.rendezvous.port)
+
+    def _start_rank(self, rank: int, extra: dict[str, str]) -> subprocess.Popen[bytes]:
+        assert self.rendezvous is not None
+        unit = Unit(rank, {**self._env(rank, self.rendezvous), **extra}, run_dir=str(self.run_dir.path))
+        return self.engine.start(unit).popen
+
+    # -- replacing a rank in place --------------------------------------------------------
+    def replace(self, rank: int, cause: str) -> int:
+        """A new process takes rank ``rank`` in the group's next generation; the survivors hear of it
+        through the store (:mod:`gpufleet.launch.replace`) and join that generation beside it."""
+        from ...store import Notice, notice_key
+
+        assert self._store is not None
+        self._failures.pop(rank, None)
+        self.replacements[rank] = self.replacements.get(rank, 0) + 1
+        notice = Notice("replace", self._generation, rank, cause)
+        self._generation += 1
+        self._store.set(notice_key(notice.generation), notice.to_bytes())  # the survivors leave the old group now
+        self._pumps[rank].close()  # the dead process's last lines, before the new one's
+        extra = {envcontract.GENERATION: str(self._generation),
+                 envcontract.INCARNATION: str(self.replacements[rank] + 1)}  # fmt: skip
+        proc = self._start_rank(rank, extra)
+        self._procs[rank] = proc
+        self._pumps[rank] = _Pump(proc, RankLog(rank, self.run_dir.log(rank), self._logs))
+        return proc.pid
+
+    def refuse_replacement(self, rank: int, cause: str, reason: str) -> None:
+        from ...store import Notice, notice_key
+
+        if self._store is not None:
+            notice = Notice("stop", self._generation, rank, cause, reason)
+            self._store.set(notice_key(notice.generation), notice.to_bytes())
 
     # -- watching -------------------------------------------------------------------------
     def _known(self, rank: int) -> bool:
@@ -279,6 +322,7 @@ class LocalWorkerGroup(WorkerGroup):
         if self._closed:
             return
         self._closed = True
+        self._store = None  # its server thread ends with it
         if succeeded:
             # Every rank returned: the results go back now, and a reaper waits for the ranks to
             # finish exiting (atexit handlers, flushes), then stops any stray child.

@@ -1,0 +1,181 @@
+"""What one lost rank costs: replace it in place, or restart the group from a checkpoint.
+
+One DDP training run (an MLP, AdamW, dropout, data drawn per step and rank) of ``--steps`` steps
+runs four ways on CPU workers (gloo):
+
+- ``uninterrupted``: the reference (gpufleet, no fault);
+- ``replace``: gpufleet, ``recovery="replace"``, rank ``--rank`` SIGKILLed as step ``--kill-at`` begins;
+- ``restart``: gpufleet today, ``max_retries=1``, a checkpoint every ``--save-every`` steps, the same
+  kill: every rank restarts and resumes from the newest checkpoint, which is also what
+  ``torchrun --max-restarts`` and the other launchers do.
+
+Each rank appends ``(step, time, pid, loss)`` as each step ends. The table shows, per way:
+``recovery_s`` (the dead rank's last completed step to the interrupted step completed on every
+rank: detection, restart or replacement, state hand-over and the re-run step), ``steps_lost``
+(steps computed twice), ``survivors_restarted`` (ranks other than the dead one whose process
+changed), ``bit_identical`` (final parameters equal the reference's) and ``goodput``: useful
+step time over wall time for a run of 1 step per second with one such failure every
+``--fail-every`` steps (1800: every 30 minutes), with each way's steady cost per step (the boundary
+snapshots of ``replace``, measured against the uninterrupted run) counted too. The last line is
+one JSON object for the ``replace`` way. (A plain ``torchrun --max-restarts=1`` way is not in
+the table yet.)
+
+    python benchmarks/recovery.py --cpu                      # 2 ranks
+    python benchmarks/recovery.py --cpu --workers 4 --rank 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Any
+
+LOOP = textwrap.dedent(
+    """
+    import json, os, time
+    from pathlib import Path
+
+    def build(hidden):
+        import torch
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                                   torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+
+    def batch(step, rank):
+        import torch
+        g = torch.Generator().manual_seed(step * 1000 + rank)
+        x = torch.randn(64, 32, generator=g)
+        return x, x.sum(1, keepdim=True).sin()
+
+    def record(out, step, loss):
+        out.write(json.dumps({"step": step, "t": time.time(), "pid": os.getpid(), "loss": loss}) + "\\n")
+        out.flush()
+
+    def params(model):
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """
+)
+
+GPUFLEET = LOOP + textwrap.dedent(
+    """
+    def train(ckpt_dir, records, steps, hidden, save_every):
+        import torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        from gpufleet import runtime
+        from gpufleet.checkpoint import CheckpointManager
+
+        runtime.setup()
+        rank = dist.get_rank()
+        model = DistributedDataParallel(build(hidden))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ckpt = CheckpointManager(ckpt_dir, model=model, optimizer=opt)
+        torch.manual_seed(100 + rank)
+        start = ckpt.resume() or 0
+        with open(Path(records) / f"rank{rank}.jsonl", "a") as out:
+            for step in ckpt.steps(start + 1, steps + 1):
+                x, y = batch(step, rank)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                record(out, step, loss.item())
+                if save_every and step % save_every == 0:
+                    ckpt.save(step)
+        ckpt.close()
+        return params(model.module)
+    """
+)
+
+def _records(folder: Path, workers: int) -> list[list[dict[str, Any]]]:
+    return [[json.loads(line) for line in (folder / f"rank{r}.jsonl").read_text().splitlines()] for r in range(workers)]
+
+
+def _gpufleet(work: Path, name: str, args: argparse.Namespace, **options: Any) -> tuple[list[list[dict]], list[dict]]:
+    sys.path.insert(0, str(work))
+    from bench_loop import train  # type: ignore[import-not-found]
+
+    from gpufleet import distributed
+
+    records = work / name
+    records.mkdir()
+    fn = distributed(train, gpus=args.workers, gpu_type="cpu", tracking=False, timeout=600, live=False, **options)
+    save_every = args.save_every if options.get("max_retries") else 0  # only the restart way reads checkpoints
+    params = fn.distributed(str(work / f"ckpt-{name}"), str(records), args.steps, args.hidden, save_every)
+    return _records(records, args.workers), params
+
+
+def _step_s(records: list[list[dict]]) -> float:
+    """The median time between two steps' ends on rank 0 (its first steps left out)."""
+    times = [r["t"] for r in records[0]][3:]
+    return statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
+
+
+def _measure(records: list[list[dict]], params: list[dict], reference: list[dict], args: argparse.Namespace,
+             steady_s: float, base_step_s: float) -> dict[str, Any]:  # fmt: skip
+    import torch
+
+    dead = records[args.rank]
+    killed_after = max(r["t"] for r in dead if r["step"] == args.kill_at - 1 and r["pid"] == dead[0]["pid"])
+    redone = max(r["t"] for rank in records for r in rank if r["step"] == args.kill_at)
+    steps_lost = sum(len(rank) for rank in records) // len(records) - args.steps
+    restarted = sum(1 for r, rank in enumerate(records) if r != args.rank and len({x["pid"] for x in rank}) > 1)
+    identical = all(torch.equal(params[r][k], reference[r][k]) for r in range(len(params)) for k in reference[r])
+    recovery_s = redone - killed_after - base_step_s  # the re-run step itself is not lost time
+    overhead_s = max(0.0, steady_s - base_step_s)  # what each step costs more (the boundary snapshots)
+    useful = float(args.fail_every)  # seconds of useful steps at 1 step/s between two failures
+    wall = useful * (1 + overhead_s) + max(recovery_s, 0.0) + steps_lost * 1.0
+    return {"recovery_s": round(recovery_s, 3), "steps_lost": steps_lost, "bit_identical": identical,
+            "survivors_restarted": restarted, "goodput": round(useful / wall, 4),
+            "step_overhead_ms": round(overhead_s * 1000, 2)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="CPU workers with gloo (the only mode for now)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rank", type=int, default=1, help="the rank that is killed")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--kill-at", type=int, default=30)
+    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--hidden", type=int, default=512, help="the MLP's width (512: about 1 M parameters)")
+    parser.add_argument("--fail-every", type=int, default=1800, help="steps (at 1 step/s) between two failures")
+    args = parser.parse_args()
+    if not args.cpu:
+        parser.error("recovery='replace' runs on CPU workers for now: pass --cpu")
+    os.environ.setdefault("GPUFLEET_TRACKING", "0")
+    with tempfile.TemporaryDirectory(prefix="gpufleet-recovery-") as tmp:
+        work = Path(tmp)
+        (work / "bench_loop.py").write_text(GPUFLEET)
+        kill = [f"kill:rank={args.rank}:step={args.kill_at}"]
+        ref_records, reference = _gpufleet(work, "uninterrupted", args)
+        base = _step_s(ref_records)
+        ways = {
+            "replace": _gpufleet(work, "replace", args, recovery="replace", faults=kill),
+            "restart": _gpufleet(work, "restart", args, max_retries=1, faults=kill),
+        }
+        steady = _gpufleet(work, "replace-steady", args, recovery="replace")
+        rows = {}
+        for name, (records, params) in ways.items():
+            steady_s = _step_s(steady[0]) if name == "replace" else base
+            rows[name] = _measure(records, params, reference, args, steady_s, base)
+    print(f"one DDP run of {args.steps} steps on {args.workers} CPU workers (gloo), rank {args.rank} SIGKILLed "
+          f"as step {args.kill_at} begins; checkpoints every {args.save_every} steps (restart); "
+          f"step {base * 1000:.1f} ms")  # fmt: skip
+    head = ["way", "recovery_s", "steps_lost", "survivors_restarted", "bit_identical", "goodput", "step_overhead_ms"]
+    print("  ".join(f"{h:>19}" for h in head))
+    for name, row in rows.items():
+        print("  ".join(f"{str(v):>19}" for v in [name, *(row[h] for h in head[1:])]))
+    replace = rows["replace"]
+    print(f"replace vs restart: recovery {replace['recovery_s']:.2f} s vs {rows['restart']['recovery_s']:.2f} s, "
+          f"{replace['steps_lost']} vs {rows['restart']['steps_lost']} steps lost")  # fmt: skip
+    print(json.dumps({"workers": args.workers, "killed_rank": args.rank, **replace}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The run's rendezvous store on the loopback interface, and the notices it carries to the ranks.
+
+torch's own store server listens on every interface, unauthenticated. gpufleet hosts it on
+``127.0.0.1`` from a listener it binds itself, and every rank (the host included) is a client, as
+under torchrun's agent (``TORCHELASTIC_USE_AGENT_STORE=True``). Who hosts it:
+
+- rank 0, for a one-machine call (``worker.py``), as before any recovery existed;
+- the launcher itself, for a call with ``recovery="replace"``: a rank that dies takes nothing of
+  the rendezvous with it, so any rank, rank 0 included, can be replaced in place.
+
+The launcher tells the ranks what it decided about a dead peer through one key per generation of
+the process group, ``gpufleet/notice/{generation}``: small JSON, parsed strictly (any local user
+can reach a loopback port, so nothing pickled ever crosses the store).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["NOTICE_PREFIX", "Notice", "generation_prefix", "host", "notice_key"]
+
+#: Where the launcher posts its verdict about generation g's dead peer.
+NOTICE_PREFIX = "gpufleet/notice/"
+#: What a store lives for (the ranks' own collectives have their own timeout).
+STORE_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def notice_key(generation: int) -> str:
+    return f"{NOTICE_PREFIX}{generation}"
+
+
+def generation_prefix(generation: int) -> str:
+    """The store prefix of generation ``generation`` >= 1 of the process group (generation 0 is torch's own)."""
+    return f"gpufleet/g{generation}/"
+
+
+@dataclass(frozen=True)
+class Notice:
+    """The launcher's verdict on a dead rank of generation ``generation``.
+
+    ``action`` is ``"replace"`` (a new process takes rank ``rank``; every rank goes on in
+    generation ``generation + 1``) or ``"stop"`` (the attempt ends: the ranks report their errors).
+    """
+
+    action: str
+    generation: int
+    rank: int
+    cause: str
+    #: Why it is not replaced (``stop``), in words.
+    reason: str = ""
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def parse(cls, data: bytes) -> Notice:
+        """A notice read back from the store; ValueError for anything but what :meth:`to_bytes` writes."""
+        fields = json.loads(data.decode())
+        if not isinstance(fields, dict) or set(fields) != {"action", "generation", "rank", "cause", "reason"}:
+            raise ValueError(f"not a gpufleet notice: {data[:200]!r}")
+        if fields["action"] not in ("replace", "stop"):
+            raise ValueError(f"unknown notice action {fields['action']!r}")
+        if not all(isinstance(fields[k], int) and not isinstance(fields[k], bool) for k in ("generation", "rank")):
+            raise ValueError(f"a notice's generation and rank are integers: {data[:200]!r}")
+        if not all(isinstance(fields[k], str) for k in ("cause", "reason")):
+            raise ValueError(f"a notice's cause and reason are text: {data[:200]!r}")
+        return cls(**fields)
+
+
+def host(port: int, world_size: int) -> Any:
+    """Host a ``TCPStore`` on ``127.0.0.1:port`` in this process, from a listener bound here; the store.
+
+    The server runs in torch's own thread and keeps serving while this process lives (or until
+    the returned object is dropped).
+    """
+    from torch.distributed import TCPStore
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(("127.0.0.1", port))
+    except BaseException:
+        listener.close()
+        raise
+    return TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,
+                    timeout=STORE_TIMEOUT, master_listen_fd=listener.detach())  # fmt: skip
+
+
+def client(port: int, timeout_s: float) -> Any:
+    """A client of the loopback store on ``port``."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))

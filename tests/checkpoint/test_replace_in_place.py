@@ -1,0 +1,125 @@
+"""A rank whose process dies is replaced in place (recovery="replace"): the other ranks keep their
+processes, the run goes on from the last step every rank completed, nothing is lost or redone twice."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpufleet import distributed
+from tests.checkpoint.helpers import torch_equal
+from tests.checkpoint.training import read_records, train_replaceable
+
+TOTAL = 40
+
+
+def _run(tmp: Path, data_dir: Path, name: str, **options: Any) -> tuple[list[dict], list[list[dict]]]:
+    records = tmp / name
+    records.mkdir()
+    fn = distributed(train_replaceable, gpus=2, gpu_type="cpu", timeout=240, tracking=False, **options)
+    out = fn.distributed(str(tmp / f"ckpt-{name}"), str(data_dir), TOTAL, str(records))
+    return out, [read_records(str(records), rank) for rank in range(2)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> tuple[list[dict], list[list[dict]]]:
+    return _run(tmp_path_factory.mktemp("reference"), data_dir, "reference")
+
+
+def _assert_same(reference: tuple[list[dict], list[list[dict]]], out: list[dict], records: list[list[dict]]) -> None:
+    ref_out, ref_records = reference
+    for rank in range(2):
+        assert [r["step"] for r in records[rank]] == list(range(1, TOTAL + 1)), f"rank {rank}: steps run"
+        assert [r["ids"] for r in records[rank]] == [r["ids"] for r in ref_records[rank]], f"rank {rank}: data"
+        assert [r["loss"] for r in records[rank]] == [r["loss"] for r in ref_records[rank]], f"rank {rank}: losses"
+        for name, value in ref_out[rank]["params"].items():
+            assert torch_equal(out[rank]["params"][name], value), f"rank {rank}: {name} differs"
+
+
+@pytest.mark.parametrize("dead", [1, 0])
+def test_a_killed_rank_is_replaced_in_place_and_the_run_ends_as_if_nothing_happened(
+    tmp_path: Path, data_dir: Path, reference: tuple[list[dict], list[list[dict]]], dead: int,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    out, records = _run(tmp_path, data_dir, "replaced", recovery="replace", faults=[f"kill:rank={dead}:step=30"])
+    assert [o["attempt"] for o in out] == ["1", "1"]  # one attempt: nothing restarted the group
+    survivor = 1 - dead
+    assert {r["pid"] for r in records[survivor]} == {out[survivor]["pid"]}  # the survivor never changed process
+    before, after = [r["pid"] for r in records[dead] if r["step"] < 30], [r["pid"] for r in records[dead] if r["step"] >= 30]
+    assert len(set(before)) == 1 and set(after) == {out[dead]["pid"]} and before[0] != out[dead]["pid"]
+    _assert_same(reference, out, records)
+    err = capfd.readouterr().err
+    assert f"rank {dead} died (SIGKILL); replaced in place by a new process" in err
+
+
+def test_a_rank_that_raises_is_not_replaced_and_the_run_fails_with_its_error(
+    tmp_path: Path, data_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    records = tmp_path / "records"
+    records.mkdir()
+    fn = distributed(train_replaceable, gpus=2, gpu_type="cpu", timeout=240, tracking=False, recovery="replace")
+    with pytest.raises(ValueError, match="a bug at step 30"):  # the rank's own error, its own type
+        fn.distributed(str(tmp_path / "ckpt"), str(data_dir), TOTAL, str(records), raise_at=30)
+    err = capfd.readouterr().err
+    assert "rank 1 failed (ValueError); not replaced in place: it raised ValueError" in err
+    assert "replaced in place by a new process" not in err
+
+
+def test_a_second_death_of_the_same_slot_falls_back_to_restarting_every_rank(
+    tmp_path: Path, data_dir: Path, reference: tuple[list[dict], list[list[dict]]], capfd: pytest.CaptureFixture[str]
+) -> None:
+    records = tmp_path / "records"
+    records.mkdir()
+    fn = distributed(train_replaceable, gpus=2, gpu_type="cpu", timeout=240, tracking=False, recovery="replace",
+                     max_retries=1, faults=["kill:rank=1:step=10", "kill:rank=1:step=20:incarnation=2"])  # fmt: skip
+    out = fn.distributed(str(tmp_path / "ckpt"), str(data_dir), TOTAL, str(records))
+    err = capfd.readouterr().err
+    assert "rank 1 died (SIGKILL); replaced in place" in err  # the first death, at step 10
+    assert "rank 1 failed (SIGKILL); not replaced in place: its slot already failed 1 time in this attempt" in err
+    assert [o["attempt"] for o in out] == ["2", "2"]  # the retry restarted every rank (no checkpoint: from step 1)
+    ref_out = reference[0]
+    for rank in range(2):
+        last = [r for r in read_records(str(records), rank) if r["pid"] == out[rank]["pid"]]
+        assert [r["step"] for r in last] == list(range(1, TOTAL + 1))
+        assert [r["loss"] for r in last] == [r["loss"] for r in reference[1][rank]]
+        for name, value in ref_out[rank]["params"].items():
+            assert torch_equal(out[rank]["params"][name], value), f"rank {rank}: {name} differs"
+
+
+def test_a_cancel_while_the_replacement_starts_ends_the_run_and_leaves_nothing(tmp_path: Path, data_dir: Path) -> None:
+    from gpufleet.errors import RunCanceledError
+
+    records = tmp_path / "records"
+    records.mkdir()
+    fn = distributed(train_replaceable, gpus=2, gpu_type="cpu", timeout=240, tracking=False, recovery="replace",
+                     faults=["kill:rank=1:step=10", "hang:rank=1:after=0:incarnation=2"])  # fmt: skip
+    handle = fn.submit(str(tmp_path / "ckpt"), str(data_dir), TOTAL, str(records))
+    log = Path(handle.run_dir) / "rank-1.log"
+    deadline = time.monotonic() + 120
+    while "injected fault: hang" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.1)  # the replacement is up and stuck; rank 0 waits for it to join
+    assert "injected fault: hang" in log.read_text()
+    handle.cancel(wait=30)
+    assert handle.status == "CANCELED"
+    with pytest.raises(RunCanceledError):
+        handle.result(timeout=5)
+
+
+def test_four_ranks_lose_rank_2_and_every_survivor_goes_on_in_its_own_process(tmp_path: Path, data_dir: Path) -> None:
+    """Ranks not connected to the dead one learn of it too (their neighbours shut the old group's
+    connections) and all three survivors join the replacement."""
+    records = tmp_path / "records"
+    records.mkdir()
+    fn = distributed(train_replaceable, gpus=4, gpu_type="cpu", timeout=240, tracking=False, recovery="replace",
+                     faults=["kill:rank=2:step=30"])  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="4 CPU workers"):
+        out = fn.distributed(str(tmp_path / "ckpt"), str(data_dir), TOTAL, str(records))
+    assert [o["attempt"] for o in out] == ["1"] * 4
+    for rank in range(4):
+        steps = read_records(str(records), rank)
+        assert [r["step"] for r in steps] == list(range(1, TOTAL + 1))  # every step once: none lost, none redone
+        pids = {r["pid"] for r in steps}
+        assert pids == {out[rank]["pid"]} if rank != 2 else len(pids) == 2
