@@ -78,6 +78,22 @@ def full_optim_state(model: Any, optimizer: Any) -> dict[str, Any]:
     }
 
 
+def train_step(model: Any, optimizer: Any, scheduler: Any, batch: Any) -> dict[str, Any]:
+    """One step on ``batch`` (rows ``[sample_id, x..., y]``), with noise from every RNG a loop
+    uses (torch, NumPy, Python: resume must restore them all); its loss and sample ids."""
+    import numpy as np
+    import torch
+
+    ids, x, y = batch[:, 0], batch[:, 1:-1], batch[:, -1:]
+    x = x + 0.01 * torch.randn_like(x) + float(np.random.normal(0, 0.01)) + random.uniform(-0.01, 0.01)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()
+    return {"loss": loss.item(), "ids": ids.long().tolist()}
+
+
 def train(
     ckpt_dir: str,
     data_dir: str,
@@ -139,14 +155,7 @@ def train(
         except StopIteration:  # a new epoch
             it = iter(loader)
             batch = next(it)
-        ids, x, y = batch[:, 0], batch[:, 1:-1], batch[:, -1:]
-        x = x + 0.01 * torch.randn_like(x) + float(np.random.normal(0, 0.01)) + random.uniform(-0.01, 0.01)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
-        records.append({"step": step, "loss": loss.item(), "ids": ids.long().tolist()})
+        records.append({"step": step, **train_step(model, optimizer, scheduler, batch)})
         if save_every and step % save_every == 0:
             manager.save(step)
         if stop_after is not None and step == stop_after:
@@ -399,14 +408,7 @@ def train_replaceable(ckpt_dir: str, data_dir: str, total_steps: int, record_dir
                 batch = next(it)
             if raise_at == step and rank == 1:
                 raise ValueError(f"a bug at step {step}")
-            ids, x, y = batch[:, 0], batch[:, 1:-1], batch[:, -1:]
-            x = x + 0.01 * torch.randn_like(x) + float(np.random.normal(0, 0.01)) + random.uniform(-0.01, 0.01)
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            scheduler.step()
-            record = {"step": step, "loss": loss.item(), "ids": ids.long().tolist(), "pid": os.getpid()}
+            record = {"step": step, **train_step(model, optimizer, scheduler, batch), "pid": os.getpid()}
             out.write(json.dumps(record) + "\n")
             out.flush()
     manager.close()
