@@ -123,3 +123,15 @@ def test_four_ranks_lose_rank_2_and_every_survivor_goes_on_in_its_own_process(tm
         assert [r["step"] for r in steps] == list(range(1, TOTAL + 1))  # every step once: none lost, none redone
         pids = {r["pid"] for r in steps}
         assert pids == {out[rank]["pid"]} if rank != 2 else len(pids) == 2
+
+
+def test_a_loop_that_does_not_mark_its_steps_falls_back_and_says_why(tmp_path: Path, data_dir: Path) -> None:
+    from gpufleet.checkpoint.in_memory import RecoveryError
+
+    records = tmp_path / "records"
+    records.mkdir()
+    fn = distributed(train_replaceable, gpus=2, gpu_type="cpu", timeout=240, tracking=False, recovery="replace",
+                     faults=["kill:rank=1:step=30"])  # fmt: skip
+    # the rank is replaced, but at the join no rank knows a completed step: every rank raises, saying why
+    with pytest.raises(RecoveryError, match=r"holds no completed step \(the loop must run over CheckpointManager.steps"):
+        fn.distributed(str(tmp_path / "ckpt"), str(data_dir), TOTAL, str(records), use_steps=False)

@@ -373,10 +373,11 @@ def _resume_into_fresh_objects(ckpt_dir: str, strategy: str) -> dict[str, Any]:
 
 
 def train_replaceable(ckpt_dir: str, data_dir: str, total_steps: int, record_dir: str, *, num_workers: int = 0,
-                      raise_at: int | None = None) -> dict[str, Any]:  # fmt: skip
+                      raise_at: int | None = None, use_steps: bool = True) -> dict[str, Any]:  # fmt: skip
     """The loop of docs/recovery.md: like :func:`train`, over ``manager.steps(...)``; each step's
     record (step, loss, sample ids, pid) is appended to ``record_dir/rank{R}.jsonl`` as it ends, since
-    a rank replaced in place runs this function again. ``raise_at``: rank 1 raises at that step."""
+    a rank replaced in place runs this function again. ``raise_at``: rank 1 raises at that step;
+    ``use_steps=False``: a plain ``range`` loop, which tells gpufleet nothing of where steps end."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -400,7 +401,7 @@ def train_replaceable(ckpt_dir: str, data_dir: str, total_steps: int, record_dir
     start = resumed or 0
     it = iter(loader)
     with open(Path(record_dir) / f"rank{rank}.jsonl", "a") as out:
-        for step in manager.steps(start + 1, total_steps + 1):
+        for step in manager.steps(start + 1, total_steps + 1) if use_steps else range(start + 1, total_steps + 1):
             try:
                 batch = next(it)
             except StopIteration:  # a new epoch

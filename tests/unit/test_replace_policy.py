@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from gpufleet.errors import LaunchConfigError
+from gpufleet.errors import LaunchConfigError, RankFailure
 from gpufleet.faults import parse_fault
 from gpufleet.launch.policy import RankLost, RetryPolicy
 from gpufleet.launch.store import Notice
 from gpufleet.options import make_options
 from gpufleet.states import FAILED, SUCCESS
-from tests.unit.test_controller import FakeGroup, exited, make, ok, raised
+from tests.unit.test_controller import FakeGroup, make, ok, raised
 
 REPLACE = RetryPolicy.for_call(max_retries=0, recovery="replace")
 
@@ -58,9 +58,8 @@ class ReplacingGroup(FakeGroup):
         self.refused.append((rank, cause, reason))
 
 
-def _killed(rank: int, t: float):
-    rank, failure = exited(rank, -9, t)
-    return rank, type(failure)(rank=rank, kind="signal", time=t, exit_code=-9, signal_name="SIGKILL")
+def _killed(rank: int, t: float) -> tuple[int, RankFailure]:
+    return rank, RankFailure(rank=rank, kind="signal", time=t, exit_code=-9, signal_name="SIGKILL")
 
 
 def test_the_controller_replaces_a_killed_rank_and_the_attempt_goes_on(tmp_path, capfd) -> None:

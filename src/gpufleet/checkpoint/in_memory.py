@@ -36,7 +36,7 @@ from typing import Any
 from ..launch import replace
 from ..launch.node import envcontract
 from .errors import CheckpointError
-from .rng import capture_rng_state, restore_rng_state
+from .rank_state import apply_rank_state, capture_rank_state, save_atomic
 
 __all__ = ["RecoveryError", "Kept", "join", "joining", "track"]
 
@@ -105,24 +105,16 @@ def _boundary_file(rank: int) -> Path | None:
     return Path(folder) / f"boundary-{rank}.pt" if folder else None
 
 
-def mark_boundary(kept: Kept, step: int, rank: int) -> None:
+def mark_boundary(kept: Kept, step: int, rank: int, world_size: int) -> None:
     """The end of step ``step`` (``start - 1`` before the first): remember this rank's own state of it."""
-    import torch
-
-    snapshot: dict[str, Any] = {}
-    if kept.save_rng:
-        snapshot["rng"] = capture_rng_state()
-    if kept.dataloader is not None:
-        snapshot["dataloader"] = kept.dataloader.state_dict()
+    snapshot = capture_rank_state(rank, world_size, save_rng=kept.save_rng, dataloader=kept.dataloader)
     kept.boundary, kept.steps_at_boundary = step, kept.optimizer_steps
     kept.snapshots[step] = snapshot
     for old in [s for s in kept.snapshots if s < step - 1]:
         del kept.snapshots[old]
     target = _boundary_file(rank)
     if target is not None:  # what a replacement of this rank starts from
-        tmp = target.with_name(f".{target.name}.tmp")
-        torch.save({"rank": rank, "step": step, **snapshot}, tmp)
-        os.replace(tmp, target)
+        save_atomic({**snapshot, "step": step}, target)
 
 
 def joining() -> bool:
@@ -158,7 +150,7 @@ def join(manager: Any) -> int:
     else:  # the replacement
         left = _file_boundary(rank)
         if left is not None:
-            own = {left["step"]: {k: v for k, v in left.items() if k in ("rng", "dataloader")}}
+            own = {left["step"]: left}
         mine = {"boundaries": sorted(own), "source": None}
     mine["unsupported"] = ("a DeepSpeed engine's state is not handed over in place" if manager.deepspeed
                            else "an FSDP2 model's lost shard has no copy on another rank" if _is_sharded(manager.model)
@@ -168,18 +160,16 @@ def join(manager: Any) -> int:
     target, source, problem = _plan(said)
     if problem is not None:
         _joined = replace.generation()
-        raise RecoveryError(f"rank {rank} could not be replaced in place: {problem}; the attempt fails and the "
-                            "run's retries (max_retries) restart every rank from the newest checkpoint")  # fmt: skip
+        raise RecoveryError(f"the lost rank could not be replaced in place: {problem}. The attempt fails; with "
+                            "max_retries >= 1 the run restarts every rank from the newest checkpoint "
+                            "(docs/recovery.md says what a replacement needs)")  # fmt: skip
     assert source is not None
     state = _state_of(previous) if rank == source else None
     del previous
     state = _broadcast_state(state, source)
     _apply(manager, state)
-    snapshot = own[target]
-    if manager.dataloader is not None and "dataloader" in snapshot:
-        manager.dataloader.load_state_dict(snapshot["dataloader"])
-    if manager.save_rng and "rng" in snapshot:
-        restore_rng_state(snapshot["rng"])  # last: loading above must not move the generators
+    apply_rank_state(own[target], _boundary_file(rank) or Path("."), world, world,
+                     save_rng=manager.save_rng, dataloader=manager.dataloader)  # fmt: skip
     _joined = replace.generation()
     return target
 

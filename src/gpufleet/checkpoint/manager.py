@@ -385,11 +385,11 @@ class CheckpointManager:
 
         for step in range(start, stop):
             if self._kept is not None:
-                in_memory.mark_boundary(self._kept, step - 1, self.rank)
+                in_memory.mark_boundary(self._kept, step - 1, self.rank, self.world_size)
             progress.note_reported_step(step)
             yield step
         if self._kept is not None and stop > start:
-            in_memory.mark_boundary(self._kept, stop - 1, self.rank)
+            in_memory.mark_boundary(self._kept, stop - 1, self.rank, self.world_size)
 
     # -- loading --------------------------------------------------------------------------
     def resume(self) -> int | None:

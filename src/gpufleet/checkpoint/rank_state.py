@@ -12,24 +12,34 @@ from .rng import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RANK_STATE_NAME", "write_rank_state", "read_rank_state", "apply_rank_state", "load_rank_state"]
+__all__ = ["RANK_STATE_NAME", "capture_rank_state", "save_atomic", "write_rank_state", "read_rank_state", "apply_rank_state", "load_rank_state"]
 
 RANK_STATE_NAME = "gpufleet-rank-{rank}.pt"
 
 
-def write_rank_state(path: Path, rank: int, world_size: int, *, save_rng: bool, dataloader: Any) -> None:
-    """Write this rank's file into the checkpoint folder ``path`` (atomically)."""
-    import torch
-
+def capture_rank_state(rank: int, world_size: int, *, save_rng: bool, dataloader: Any) -> dict[str, Any]:
+    """This rank's own state now: its RNG states and its data loader's position."""
     state: dict[str, Any] = {"rank": rank, "world_size": world_size}
     if save_rng:
         state["rng"] = capture_rng_state()
     if dataloader is not None:
         state["dataloader"] = dataloader.state_dict()
-    target = path / RANK_STATE_NAME.format(rank=rank)
+    return state
+
+
+def save_atomic(state: dict[str, Any], target: Path) -> None:
+    """``torch.save`` into ``target`` through a temporary file: a reader never sees half of it."""
+    import torch
+
     tmp = target.with_name(f".{target.name}.tmp")
     torch.save(state, tmp)
     os.replace(tmp, target)
+
+
+def write_rank_state(path: Path, rank: int, world_size: int, *, save_rng: bool, dataloader: Any) -> None:
+    """Write this rank's file into the checkpoint folder ``path`` (atomically)."""
+    state = capture_rank_state(rank, world_size, save_rng=save_rng, dataloader=dataloader)
+    save_atomic(state, path / RANK_STATE_NAME.format(rank=rank))
 
 
 def read_rank_state(path: Path, rank: int, world_size: int, saved_world_size: int) -> dict[str, Any] | None:

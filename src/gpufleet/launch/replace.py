@@ -30,7 +30,7 @@ from . import store
 from .failures import is_secondary
 from .node import envcontract
 
-__all__ = ["enabled", "forget", "group_sockets", "generation", "incarnation", "init_arguments", "next_generation", "verdict_after"]
+__all__ = ["enabled", "forget", "group_sockets", "generation", "init_arguments", "next_generation", "verdict_after"]
 
 #: How long a survivor waits for the launcher's verdict (the launcher sees a death within a poll).
 VERDICT_WAIT_S = 60.0
@@ -46,11 +46,6 @@ def enabled() -> bool:
 def generation() -> int:
     """The process group's generation in this rank: 0 at the start, one more after each replacement."""
     return int(os.environ.get(envcontract.GENERATION) or 0)
-
-
-def incarnation() -> int:
-    """Which process of its rank this one is: 1, the first; 2, its first replacement; ..."""
-    return int(os.environ.get(envcontract.INCARNATION) or 1)
 
 
 def _store_port() -> int:
