@@ -16,7 +16,9 @@ Both answer the same questions the same way:
 - ``cancel(wait)``: every process stopped, the run CANCELED with "canceled by the user";
 - ``logs(n)``: what rank ``n`` of a call (node ``n`` of a workload) printed in the latest attempt;
 - ``stacks()``: every running rank's stack now, by rank (ranks on this machine);
-- ``run_dir``, ``mlflow_run_id``.
+- ``run_dir``, ``mlflow_run_id``;
+- ``recoveries``: each lost rank of a ``recovery="replace"`` call, of every attempt, and what
+  became of it (:class:`~gpufleet.launch.recoveries.Recovery`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .launch.controller import Controller
     from .launch.group import WorkerGroup
+    from .launch.recoveries import Recovery
     from .runs.records import RunRecord
     from .runs.store import RunStore
 
@@ -88,6 +91,11 @@ class RunHandle:
     def pids(self) -> list[int]:
         """Process ids of the current attempt's ranks."""
         return self._group.pids
+
+    @property
+    def recoveries(self) -> list[Recovery]:
+        """Each lost rank replaced in place (or refused) so far, of every attempt, in order."""
+        return list(self._controller.recoveries)
 
     def done(self) -> bool:
         return self._controller.finished.is_set()
@@ -205,6 +213,15 @@ class StoredRunHandle:
         record = self._record()
         ids = record.mlflow_run_ids() if record is not None else []
         return ids[-1] if ids else None
+
+    @property
+    def recoveries(self) -> list[Recovery]:
+        """Each lost rank replaced in place (or refused), of every attempt, as the run store holds them."""
+        from .launch.recoveries import Recovery
+
+        record = self._record()
+        stored = [r for a in record.attempts for r in a.recoveries] if record is not None else []
+        return [r for r in map(Recovery.from_dict, stored) if r is not None]
 
     def _outcome(self) -> dict[str, Any] | None:
         """A call's values or error, as its supervisor wrote them (None before, and for a workload run)."""

@@ -3,13 +3,19 @@ processes, the run goes on from the last step every rank completed, nothing is l
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpufleet import distributed
+from gpufleet import distributed, run_handle
+from gpufleet.runs.store import RunStore
 from tests.checkpoint.helpers import torch_equal
 from tests.checkpoint.training import read_records, train_replaceable
 
@@ -52,7 +58,52 @@ def test_a_killed_rank_is_replaced_in_place_and_the_run_ends_as_if_nothing_happe
     assert len(set(before)) == 1 and set(after) == {out[dead]["pid"]} and before[0] != out[dead]["pid"]
     _assert_same(reference, out, records)
     err = capfd.readouterr().err
-    assert f"rank {dead} died (SIGKILL); replaced in place by a new process" in err
+    assert f"rank {dead} died (SIGKILL); replaced in place by a new process (pid {out[dead]['pid']})" in err
+    assert (f"rank {dead} (SIGKILL) is back: every rank went on after step 29, " in err
+            and f"s after the death; 0 steps trained again (pid {before[0]} -> {out[dead]['pid']})" in err)
+
+
+def _gpufleet(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "gpufleet.cli", *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_each_recovery_is_recorded_in_the_run_store_gpufleet_get_and_mlflow(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.delenv("GPUFLEET_TRACKING", raising=False)
+    experiment = f"recovery-{uuid.uuid4().hex[:8]}"
+    records = tmp_path / "records"
+    records.mkdir()
+    fn = distributed(train_replaceable, gpus=2, gpu_type="cpu", timeout=240, recovery="replace",
+                     experiment_name=experiment, faults=["kill:rank=1:step=30"])  # fmt: skip
+    handle = fn.submit(str(tmp_path / "ckpt"), str(data_dir), TOTAL, str(records))
+    out = handle.result(timeout=240)
+    old_pid = read_records(str(records), 1)[0]["pid"]
+
+    stored = json.loads(_gpufleet("get", handle.run_id, "-o", "json"))
+    (attempt,) = stored["attempts"]
+    (recovery,) = attempt["recoveries"]
+    assert {k: recovery[k] for k in ("attempt", "number", "rank", "cause", "outcome", "resumed_step", "steps_lost",
+                                     "old_pid", "new_pid", "generation", "reason")} == {  # fmt: skip
+        "attempt": 1, "number": 1, "rank": 1, "cause": "SIGKILL", "outcome": "recovered", "resumed_step": 29,
+        "steps_lost": 0, "old_pid": old_pid, "new_pid": out[1]["pid"], "generation": 1, "reason": None}
+    assert 0 < recovery["seconds_lost"] < 120
+    assert recovery["recovered_at"] == pytest.approx(recovery["died_at"] + recovery["seconds_lost"])
+    assert [r.to_dict() for r in handle.recoveries] == [recovery]  # the caller's handle
+    assert [r.to_dict() for r in run_handle(handle.run_id).recoveries] == [recovery]  # any process's, from the store
+    text = _gpufleet("get", handle.run_id)
+    assert "recovery 1 of attempt 1 at " in text and ": rank 1 (SIGKILL) is back: every rank went on after step 29" in text
+
+    client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    run = client.get_run(attempt["mlflow_run_id"])
+    assert run.data.tags["gpufleet.recovery.1"].startswith("rank 1 (SIGKILL) is back: every rank went on after step 29")
+    assert run.data.tags["gpufleet.recoveries"] == "1"
+    seconds = client.get_metric_history(run.info.run_id, "gpufleet.recovery.seconds_lost")
+    assert [(m.step, round(m.value, 3)) for m in seconds] == [(1, round(recovery["seconds_lost"], 3))]
+    assert run.data.metrics["gpufleet.recovery.steps_lost"] == 0 and run.data.metrics["gpufleet.recovery.rank"] == 1
 
 
 def test_a_rank_that_raises_is_not_replaced_and_the_run_fails_with_its_error(
@@ -66,6 +117,8 @@ def test_a_rank_that_raises_is_not_replaced_and_the_run_fails_with_its_error(
     err = capfd.readouterr().err
     assert "rank 1 failed (ValueError); not replaced in place: it raised ValueError" in err
     assert "replaced in place by a new process" not in err
+    (run,) = RunStore().list(states=None, limit=1, filters={"kind": "call"})  # the newest call: this one
+    assert run.state == "FAILED" and [(r["rank"], r["cause"], r["outcome"]) for r in run.attempts[0].recoveries] == [(1, "ValueError", "refused")]
 
 
 def test_a_second_death_of_the_same_slot_falls_back_to_restarting_every_rank(

@@ -9,8 +9,9 @@ import pytest
 
 from gpufleet.errors import LaunchConfigError, RankFailure
 from gpufleet.faults import parse_fault
+from gpufleet.launch.controller import ControllerCallback
 from gpufleet.launch.policy import RankLost, RetryPolicy
-from gpufleet.launch.store import Notice
+from gpufleet.launch.store import Notice, Recovered
 from gpufleet.options import make_options
 from gpufleet.states import FAILED, SUCCESS
 from tests.unit.test_controller import FakeGroup, make, ok, raised
@@ -38,21 +39,32 @@ def test_only_a_process_death_of_a_slot_not_yet_replaced_is_replaced(lost: RankL
 
 
 class ReplacingGroup(FakeGroup):
-    """A scripted group that replaces ranks: a replacement clears the rank's failure and the script goes on."""
+    """A scripted group that replaces ranks: a replacement clears the rank's failure and the script goes on.
+
+    ``back`` maps a poll's number to the replacement's report that it is back, given at that poll.
+    """
 
     replaces_ranks = True
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, back: dict[int, Recovered] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.replaced: list[tuple[int, str]] = []
         self.refused: list[tuple[int, str, str]] = []
         self.replacements: dict[int, int] = {}
+        self.back = dict(back or {})
+
+    @property
+    def pids(self) -> list[int]:
+        return [1000 + r for r in range(self.spec.world_size)]
 
     def replace(self, rank: int, cause: str) -> int:
         self.replaced.append((rank, cause))
         self.replacements[rank] = self.replacements.get(rank, 0) + 1
         self.failures.pop(rank)
         return 4242
+
+    def recovered(self) -> list[Recovered]:
+        return [self.back.pop(n) for n in sorted(self.back) if n <= self.polls]
 
     def refuse_replacement(self, rank: int, cause: str, reason: str) -> None:
         self.refused.append((rank, cause, reason))
@@ -86,6 +98,59 @@ def test_a_raise_and_a_second_death_are_refused_and_end_the_attempt(tmp_path, ca
     assert controller.state == FAILED and groups[0].replaced == [(1, "SIGKILL")]
     assert groups[0].refused == [(1, "SIGKILL", "its slot already failed 1 time in this attempt")]
     assert "not replaced in place: its slot already failed" in capfd.readouterr().err
+
+
+class Recoveries(ControllerCallback):
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def on_recovery(self, group, attempt, recovery) -> None:
+        self.seen.append(recovery)
+
+
+def test_each_recovery_is_told_to_the_hooks_and_the_caller_as_it_goes(tmp_path, capfd) -> None:
+    script = [[], [_killed(1, 1.0)], [], [], [], [ok(0, "a"), ok(1, "b")]]
+    back = {4: Recovered(generation=1, rank=1, resumed_step=29, steps_lost=0, at=3.5)}
+    hooks = Recoveries()
+    controller, _, _ = make(tmp_path, [lambda tmp, clock: ReplacingGroup(tmp, clock, script, back=back)],
+                            recovery="replace", callbacks=[hooks])  # fmt: skip
+    assert controller.run() == ["a", "b"]
+    assert [r.outcome for r in hooks.seen] == ["replacing", "recovered"]
+    done = hooks.seen[-1]
+    assert controller.recoveries == [done]
+    assert (done.attempt, done.number, done.rank, done.cause, done.old_pid, done.new_pid, done.generation) == (
+        1, 1, 1, "SIGKILL", 1001, 4242, 1)  # fmt: skip
+    assert (done.resumed_step, done.steps_lost, done.recovered_at, done.seconds_lost) == (29, 0, 3.5, 2.5)
+    err = capfd.readouterr().err
+    assert ("rank 1 (SIGKILL) is back: every rank went on after step 29, 2.50 s after the death; 0 steps trained "
+            "again (pid 1001 -> 4242)") in err  # fmt: skip
+
+
+def test_a_recovery_the_attempt_ends_before_is_failed_and_a_refusal_is_recorded_with_its_reason(tmp_path) -> None:
+    hooks = Recoveries()
+    script = [[_killed(1, 1.0)], [], [raised(0, RuntimeError("lost again"), 2.0)]]  # never back: rank 0 fails
+    controller, _, _ = make(tmp_path, [lambda tmp, clock: ReplacingGroup(tmp, clock, script)], recovery="replace",
+                            callbacks=[hooks])  # fmt: skip
+    with pytest.raises(RuntimeError):
+        controller.run()
+    assert [r.outcome for r in hooks.seen] == ["replacing", "refused", "failed"]
+    replaced, refused, failed = hooks.seen
+    assert (refused.number, refused.rank, refused.cause) == (2, 0, "RuntimeError")
+    assert refused.reason.startswith("it raised RuntimeError (an error of its own happens again")
+    assert (failed.number, failed.rank, failed.new_pid) == (1, 1, 4242)
+    assert failed.reason.startswith("the attempt ended before the rank was back (RuntimeError: ")
+    assert [r.outcome for r in controller.recoveries] == ["failed", "refused"]
+
+
+def test_a_recovery_report_round_trips_and_anything_else_is_refused() -> None:
+    report = Recovered(generation=1, rank=0, resumed_step=29, steps_lost=1, at=12.5)
+    assert Recovered.parse(report.to_bytes()) == report
+    good = {"generation": 1, "rank": 0, "resumed_step": 29, "steps_lost": 0, "at": 1.0}
+    for bad in [b"\xff", b"null", json.dumps({**good, "rank": True}).encode(), json.dumps({**good, "at": "1"}).encode(),
+                json.dumps({k: v for k, v in good.items() if k != "at"}).encode(),
+                json.dumps({**good, "steps_lost": 1.5}).encode()]:
+        with pytest.raises(ValueError):
+            Recovered.parse(bad)
 
 
 def test_a_notice_round_trips_and_anything_else_is_refused() -> None:

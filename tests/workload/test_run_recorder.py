@@ -168,3 +168,28 @@ def test_a_call_interrupted_while_its_ranks_start_is_stored_canceled(store: RunS
     [run] = store.list(states=None, filters={"kind": "call"})
     assert (c.state, recorder.ends[1].state, run.state, run.attempts[0].state) == (CANCELED,) * 4
     assert run.message == "interrupted (KeyboardInterrupt) before its ranks started"
+
+
+def test_a_calls_recoveries_are_kept_in_its_attempt_row_and_shown_by_get(store: RunStore, tmp_path: Path) -> None:
+    from gpufleet.launch.store import Recovered
+    from gpufleet.runs.formats import fmt_time
+    from gpufleet.runs.view import run_details
+    from tests.unit.test_replace_policy import ReplacingGroup, _killed
+
+    clock = FakeClock()
+    script = [[], [_killed(1, 1.0)], [], [], [ok(0, "a"), ok(1, "b")]]
+    back = {3: Recovered(generation=1, rank=1, resumed_step=29, steps_lost=0, at=3.25)}
+    c = Controller(lambda attempt: ReplacingGroup(tmp_path, clock, script, back=back), timeout_s=None,
+                   policy=RetryPolicy.for_call(0, recovery="replace"), callbacks=[RunRecorder(_call_kind(), store)],
+                   clock=clock, poll_s=0.02)  # fmt: skip
+    assert c.run() == ["a", "b"]
+    (run,) = store.list(states=None, filters={"kind": "call"})
+    (stored,) = run.attempts[0].recoveries
+    assert stored == {"attempt": 1, "number": 1, "rank": 1, "cause": "SIGKILL", "outcome": "recovered", "died_at": 1.0,
+                      "old_pid": 1001, "new_pid": 4242, "generation": 1, "resumed_step": 29, "steps_lost": 0,
+                      "recovered_at": 3.25, "seconds_lost": 2.25, "reason": None}  # fmt: skip
+    shown = io.StringIO()
+    run_details(run, out=shown)
+    assert (f"recovery 1 of attempt 1 at {fmt_time(1.0)}: rank 1 (SIGKILL) is back: every rank went on after step 29, "
+            "2.25 s after the death; 0 steps trained again (pid 1001 -> 4242)\n") in shown.getvalue()
+    assert json.loads(json.dumps(run.to_dict()))["attempts"][0]["recoveries"] == [stored]  # what -o json prints

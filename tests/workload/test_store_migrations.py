@@ -42,7 +42,7 @@ def test_a_store_of_the_first_schema_opens_and_is_upgraded(home: Path, capsys: p
     db.close()
     run = store.get("20250101-000000-old-abc123")
     assert (run.kind, run.origin, run.placement, run.world_size) == ("workload", {}, {}, 2)
-    assert [a.attempt for a in run.attempts] == [1]
+    assert [(a.attempt, a.recoveries) for a in run.attempts] == [(1, [])]
     RunStore(home)  # opening it again changes nothing
     code, out, _ = cli(capsys, "list", "--all-status", "--home", str(home))
     assert code == 0 and "20250101-000000-old-abc123\tSUCCESS\tworkload\told" in out

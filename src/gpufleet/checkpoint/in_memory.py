@@ -19,7 +19,9 @@ model, optimizer and loader again and calls ``resume()``, which comes here (:fun
    object, tensors one by one) into every rank's new objects;
 3. each rank restores its own RNG states and loader position of boundary R: a survivor from
    memory, the replacement from its predecessor's file;
-4. ``resume()`` returns R: the loop re-runs step R+1 exactly as it ran before.
+4. ``resume()`` returns R: the loop re-runs step R+1 exactly as it ran before; when the
+   replacement reaches that step's end it tells the launcher (:func:`replace.report_back`: the
+   step R, the steps trained again, the time), which records the recovery.
 
 Anything that does not fit (no source, a rank without boundary R, an FSDP2 model, whose shards
 have no copy on a peer yet) raises :class:`RecoveryError` on every rank alike: the attempt then
@@ -75,6 +77,7 @@ class Kept:
 _current: Kept | None = None  # this generation's
 _previous: Kept | None = None  # a survivor's, from the generation its lost peer ended
 _joined = 0  # the last generation this process joined
+_report: tuple[int, int] | None = None  # the replacement's (R, steps lost), told once it completes step R + 1
 
 
 def _unwrap(model: Any) -> Any:
@@ -107,6 +110,11 @@ def _boundary_file(rank: int) -> Path | None:
 
 def mark_boundary(kept: Kept, step: int, rank: int, world_size: int) -> None:
     """The end of step ``step`` (``start - 1`` before the first): remember this rank's own state of it."""
+    global _report
+    if _report is not None and step > _report[0]:  # the replacement's first step after the join
+        resumed, lost = _report
+        _report = None
+        replace.report_back(resumed, lost)
     snapshot = capture_rank_state(rank, world_size, save_rng=kept.save_rng, dataloader=kept.dataloader)
     kept.boundary, kept.steps_at_boundary = step, kept.optimizer_steps
     kept.snapshots[step] = snapshot
@@ -138,7 +146,7 @@ def _file_boundary(rank: int) -> dict[str, Any] | None:
 
 def join(manager: Any) -> int:
     """Join the new generation: every rank ends with the state of boundary R; returns R (module docstring)."""
-    global _previous, _joined
+    global _previous, _joined, _report
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -164,6 +172,8 @@ def join(manager: Any) -> int:
                             "max_retries >= 1 the run restarts every rank from the newest checkpoint "
                             "(docs/recovery.md says what a replacement needs)")  # fmt: skip
     assert source is not None
+    if previous is None:  # the replacement: it tells the launcher once it completes the next step
+        _report = (target, max(max(s["boundaries"]) for s in said) - target)
     state = _state_of(previous) if rank == source else None
     del previous
     state = _broadcast_state(state, source)

@@ -10,7 +10,8 @@ worker group only starts, polls and stops (:mod:`gpufleet.launch.group`).
 
 Within an attempt, a rank whose process died is replaced in place when the policy agrees
 (``recovery="replace"``, :meth:`~gpufleet.launch.policy.RetryPolicy.why_not_replace`); the
-group starts the new process and tells the survivors.
+group starts the new process and tells the survivors. Each such decision and its end is a
+:class:`~gpufleet.launch.recoveries.Recovery`, told to the caller in a line and to the hooks.
 
 One concern past 400 lines: the decisions over a group's life (deadline, settle, cancel,
 Ctrl-C, hang watchdog, replacements, retries, hooks), kept in one loop so that their order is seen at once.
@@ -19,6 +20,7 @@ Ctrl-C, hang watchdog, replacements, retries, hooks), kept in one loop so that t
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import sys
 import threading
@@ -41,6 +43,7 @@ from .failures import failed_error, load_values
 from .group import GroupStartCanceled, GroupStatus, WorkerGroup
 from .hangwatch.watchdog import HangSettings, Verdict, Watchdog, write_note
 from .policy import Action, AttemptEnded, Decision, RankLost, RetryPolicy
+from .recoveries import REFUSED, REPLACING, Recovery
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +105,9 @@ class ControllerCallback:
 
         Called on a thread of its own: a slow hook never delays the watchdog.
         """
+
+    def on_recovery(self, group: WorkerGroup, attempt: int, recovery: Recovery) -> None:
+        """A lost rank was replaced in place or refused, or its recovery ended (``recovery.outcome``)."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +183,8 @@ class Controller:
         self.preemptions = 0  # attempts the scheduler preempted (a group's ``preempted`` said why)
         #: The current attempt's last polled status (frozen; read by the live view from its own thread).
         self.status: GroupStatus | None = None
+        #: Every lost rank's recovery in place (or its refusal), of every attempt, in order.
+        self.recoveries: list[Recovery] = []
         for callback in self._callbacks:
             try:
                 getattr(callback, "attach", lambda _: None)(self)
@@ -211,6 +219,7 @@ class Controller:
             while True:
                 assert self.group is not None
                 result = self._watch(self.group)
+                self._close_recoveries(self.group, result.error)
                 self.outcomes.append(result)
                 self._notify_end(self.group, result.state, result.error)
                 if result.state == SUCCESS:
@@ -328,6 +337,8 @@ class Controller:
                     if self._replaced(group, status):
                         continue
                     return self._failed(group, status)
+                if self.recoveries:
+                    self._take_recovered(group)
                 if status.succeeded:
                     group.close(True)
                     try:
@@ -393,25 +404,55 @@ class Controller:
 
     def _replaced(self, group: WorkerGroup, status: GroupStatus) -> bool:
         """With ``recovery="replace"``: a rank whose process died gets a new one in place, when the
-        policy agrees; True if it did (the attempt goes on). Either way the caller hears it in one line."""
+        policy agrees; True if it did (the attempt goes on). Either way the caller hears it in one line
+        and the hooks get the :class:`Recovery`."""
         if not group.replaces_ranks:
             return False
         first = status.first_failure()
         assert first is not None
         cause = first.signal_name or first.exc_type or (f"exit code {first.exit_code}" if first.exit_code else first.kind)
+        replacements = getattr(group, "replacements", {})
         lost = RankLost(first.rank, first.kind, cause, failed=len(status.failures),
-                        replacements=getattr(group, "replacements", {}).get(first.rank, 0),
+                        replacements=replacements.get(first.rank, 0),
                         canceled=self._cancel is not None, time_left=self.time_left())  # fmt: skip
         why_not = self.policy.why_not_replace(lost)
+        old_pid = group.pids[first.rank] if first.rank < len(group.pids) else None
+        number = sum(1 for r in self.recoveries if r.attempt == self.attempt) + 1
+        record = Recovery(self.attempt, number, first.rank, cause, REPLACING, first.time, old_pid=old_pid)
         if why_not is not None:
             group.refuse_replacement(first.rank, cause, why_not)
-            print(f"gpufleet: run {group.run_id}: rank {first.rank} failed ({cause}); not replaced in place: {why_not}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            self._recovery(group, dataclasses.replace(record, outcome=REFUSED, reason=why_not))
             return False
         pid = group.replace(first.rank, cause)
-        print(f"gpufleet: run {group.run_id}: rank {first.rank} died ({cause}); replaced in place by a new "
-              f"process (pid {pid}); the other ranks go on", file=sys.stderr, flush=True)  # fmt: skip
+        self._recovery(group, dataclasses.replace(record, new_pid=pid, generation=sum(replacements.values())))
         return True
+
+    def _recovery(self, group: WorkerGroup, record: Recovery) -> None:
+        """Keep ``record`` (in place of the same recovery's older state), tell the caller and the hooks."""
+        for i, known in enumerate(self.recoveries):
+            if (known.attempt, known.number) == (record.attempt, record.number):
+                self.recoveries[i] = record
+                break
+        else:
+            self.recoveries.append(record)
+        print(f"gpufleet: run {group.run_id}: {record.describe()}", file=sys.stderr, flush=True)
+        self._call_hooks("on_recovery", group, record)
+
+    def _take_recovered(self, group: WorkerGroup) -> None:
+        """The replacements that said they are back: their recoveries end ``recovered``."""
+        for report in group.recovered():
+            for record in self.recoveries:
+                if (record.attempt, record.outcome, record.generation) == (self.attempt, REPLACING, report.generation):
+                    self._recovery(group, record.recovered(report.resumed_step, report.steps_lost, report.at))
+
+    def _close_recoveries(self, group: WorkerGroup, error: BaseException | None) -> None:
+        """The attempt ended: a recovery not yet back failed with it (why: the attempt's error)."""
+        self._take_recovered(group)
+        for record in list(self.recoveries):
+            if record.attempt == self.attempt and record.outcome == REPLACING:
+                headline = str(error).strip().splitlines()[0] if error is not None and str(error).strip() else ""
+                why = f"{type(error).__name__}: {headline}" if error is not None else "the attempt ended first"
+                self._recovery(group, record.failed(f"the attempt ended before the rank was back ({why})"))
 
     def _failed(self, group: WorkerGroup, status: GroupStatus) -> AttemptOutcome:
         # Let the other ranks report for a moment: the same error on several ranks is then
@@ -470,6 +511,7 @@ class Controller:
                 dict(status.failures) if status else {}, group.num_ranks, str(group.run_dir.path),
                 "the run was interrupted; every rank was stopped",
             )
+            self._close_recoveries(group, error)
             self._notify_end(group, CANCELED, error)
             self._end(CANCELED, None, error)
 

@@ -13,11 +13,14 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import GpufleetError, RankFailure
 from ..results import RunDir
 from .spec import LaunchSpec
+
+if TYPE_CHECKING:
+    from .store import Recovered
 
 
 class GroupStartCanceled(GpufleetError):
@@ -176,6 +179,10 @@ class WorkerGroup(abc.ABC):
     def refuse_replacement(self, rank: int, cause: str, reason: str) -> None:
         """Tell the survivors that rank ``rank`` is not replaced (they report their errors at once)."""
         return None
+
+    def recovered(self) -> list[Recovered]:
+        """The replacements that said they are back since the last call (:class:`~gpufleet.launch.store.Recovered`)."""
+        return []
 
     @abc.abstractmethod
     def close(self, succeeded: bool) -> None:

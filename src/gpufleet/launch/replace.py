@@ -30,7 +30,8 @@ from . import store
 from .failures import is_secondary
 from .node import envcontract
 
-__all__ = ["enabled", "forget", "group_sockets", "generation", "init_arguments", "next_generation", "verdict_after"]
+__all__ = ["enabled", "forget", "group_sockets", "generation", "init_arguments", "next_generation", "report_back",
+           "verdict_after"]
 
 #: How long a survivor waits for the launcher's verdict (the launcher sees a death within a poll).
 VERDICT_WAIT_S = 60.0
@@ -172,3 +173,18 @@ def init_arguments() -> dict[str, Any] | None:
         "rank": runtime.get_global_rank(),
         "world_size": runtime.get_world_size(),
     }
+
+
+def report_back(resumed_step: int, steps_lost: int) -> None:
+    """In the replacement, once it completed its first step after the join: tell the launcher it is back
+    (:class:`gpufleet.launch.store.Recovered`, which the run's records keep). Never fails the step."""
+    import time
+
+    g = generation()
+    report = store.Recovered(g, runtime.get_global_rank(), resumed_step, steps_lost, time.time())
+    try:
+        client = store.client(_store_port(), 10.0)
+        client.set(store.recovered_key(g), report.to_bytes())
+    except Exception as e:  # noqa: BLE001 - the launcher then records the recovery without its numbers
+        print(f"gpufleet: rank {runtime.rank_text()} could not report its recovery ({type(e).__name__}: {e})",
+              file=sys.stderr, flush=True)  # fmt: skip

@@ -9,8 +9,10 @@ under torchrun's agent (``TORCHELASTIC_USE_AGENT_STORE=True``). Who hosts it:
   the rendezvous with it, so any rank, rank 0 included, can be replaced in place.
 
 The launcher tells the ranks what it decided about a dead peer through one key per generation of
-the process group, ``gpufleet/notice/{generation}``: small JSON, parsed strictly (any local user
-can reach a loopback port, so nothing pickled ever crosses the store).
+the process group, ``gpufleet/notice/{generation}``; the replacement tells the launcher that it
+is back (the step every rank went on from, when it completed the next one) through
+``gpufleet/recovered/{generation}``. Both are small JSON, parsed strictly (any local user can
+reach a loopback port, so nothing pickled ever crosses the store).
 """
 
 from __future__ import annotations
@@ -21,16 +23,22 @@ import socket
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["NOTICE_PREFIX", "Notice", "generation_prefix", "host", "notice_key"]
+__all__ = ["NOTICE_PREFIX", "Notice", "Recovered", "generation_prefix", "host", "notice_key", "recovered_key"]
 
 #: Where the launcher posts its verdict about generation g's dead peer.
 NOTICE_PREFIX = "gpufleet/notice/"
+#: Where the replacement that joined generation g says it is back.
+RECOVERED_PREFIX = "gpufleet/recovered/"
 #: What a store lives for (the ranks' own collectives have their own timeout).
 STORE_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def notice_key(generation: int) -> str:
     return f"{NOTICE_PREFIX}{generation}"
+
+
+def recovered_key(generation: int) -> str:
+    return f"{RECOVERED_PREFIX}{generation}"
 
 
 def generation_prefix(generation: int) -> str:
@@ -59,16 +67,50 @@ class Notice:
     @classmethod
     def parse(cls, data: bytes) -> Notice:
         """A notice read back from the store; ValueError for anything but what :meth:`to_bytes` writes."""
-        fields = json.loads(data.decode())
-        if not isinstance(fields, dict) or set(fields) != {"action", "generation", "rank", "cause", "reason"}:
-            raise ValueError(f"not a gpufleet notice: {data[:200]!r}")
+        fields = _fields(data, "notice", ints=("generation", "rank"), texts=("action", "cause", "reason"))
         if fields["action"] not in ("replace", "stop"):
             raise ValueError(f"unknown notice action {fields['action']!r}")
-        if not all(isinstance(fields[k], int) and not isinstance(fields[k], bool) for k in ("generation", "rank")):
-            raise ValueError(f"a notice's generation and rank are integers: {data[:200]!r}")
-        if not all(isinstance(fields[k], str) for k in ("cause", "reason")):
-            raise ValueError(f"a notice's cause and reason are text: {data[:200]!r}")
         return cls(**fields)
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """The replacement's word that rank ``rank`` is back in generation ``generation``: every rank went
+    on from ``resumed_step`` (``steps_lost`` steps that some rank had completed are trained again),
+    and it completed the next step at ``at`` (seconds since the epoch)."""
+
+    generation: int
+    rank: int
+    resumed_step: int
+    steps_lost: int
+    at: float
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def parse(cls, data: bytes) -> Recovered:
+        """A report read back from the store; ValueError for anything but what :meth:`to_bytes` writes."""
+        return cls(**_fields(data, "recovery report", ints=("generation", "rank", "resumed_step", "steps_lost"),
+                             numbers=("at",)))  # fmt: skip
+
+
+def _fields(data: bytes, what: str, ints: tuple[str, ...] = (), texts: tuple[str, ...] = (),
+            numbers: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
+    """The JSON object in ``data`` with exactly these keys, each of its type; ValueError for anything else."""
+    try:
+        fields = json.loads(data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"not a gpufleet {what}: {data[:200]!r}") from e
+    if not isinstance(fields, dict) or set(fields) != {*ints, *texts, *numbers}:
+        raise ValueError(f"not a gpufleet {what}: {data[:200]!r}")
+    for key in ints + numbers:
+        value = fields[key]
+        if isinstance(value, bool) or not isinstance(value, int if key in ints else (int, float)):
+            raise ValueError(f"a {what}'s {key} is a number: {data[:200]!r}")
+    if not all(isinstance(fields[k], str) for k in texts):
+        raise ValueError(f"a {what}'s {', '.join(texts)} are text: {data[:200]!r}")
+    return fields
 
 
 def host(port: int, world_size: int) -> Any:

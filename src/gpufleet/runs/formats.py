@@ -1,8 +1,9 @@
-"""How the CLI writes times and durations."""
+"""How the CLI writes times, durations and an attempt's recoveries."""
 
 from __future__ import annotations
 
 import datetime as _dt
+from typing import Any
 
 
 def fmt_time(ts: float | None) -> str:
@@ -21,3 +22,18 @@ def fmt_duration(seconds: float | None) -> str:
     m, s = divmod(int(seconds), 60)
     h, m = divmod(m, 60)
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def recovery_lines(recoveries: list[dict[str, Any]]) -> list[str]:
+    """One line per lost rank of an attempt (``AttemptRecord.recoveries``): what became of it, and when."""
+    from ..launch.recoveries import Recovery
+
+    lines = []
+    for stored in recoveries:
+        record = Recovery.from_dict(stored)
+        if record is None:
+            lines.append(f"recovery: {stored!r}")
+            continue
+        lines.append(f"recovery {record.number} of attempt {record.attempt} at {fmt_time(record.died_at)}: "
+                     f"{record.describe()}")
+    return lines

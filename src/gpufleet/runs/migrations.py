@@ -12,6 +12,8 @@ Versions:
 1. ``runs`` and ``attempts`` (workload runs).
 2. ``runs.kind`` (``workload`` or ``call``), ``runs.origin`` (JSON: path, host, user, pid of
    the process that started the run) and ``runs.placement`` (JSON: the GPUs and nodes it got).
+3. ``attempts.recoveries`` (JSON: each lost rank replaced in place, or refused, in the attempt;
+   :class:`gpufleet.launch.recoveries.Recovery`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ..errors import GpufleetError
 from ..launch.node import envcontract
 
 #: The schema version this gpufleet writes.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _V1 = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -72,6 +74,10 @@ ALTER TABLE runs ADD COLUMN placement TEXT NOT NULL DEFAULT '{}';
 CREATE INDEX IF NOT EXISTS runs_kind ON runs (kind)
 """
 
+_V3 = """
+ALTER TABLE attempts ADD COLUMN recoveries TEXT NOT NULL DEFAULT '[]'
+"""
+
 
 def _script(sql: str) -> Callable[[sqlite3.Connection], None]:
     def apply(db: sqlite3.Connection) -> None:
@@ -83,7 +89,7 @@ def _script(sql: str) -> Callable[[sqlite3.Connection], None]:
 
 
 #: ``MIGRATIONS[n]`` moves a store from version ``n`` to ``n + 1`` (0: an empty file).
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {0: _script(_V1), 1: _script(_V2)}
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {0: _script(_V1), 1: _script(_V2), 2: _script(_V3)}
 
 
 class SchemaVersionError(GpufleetError, RuntimeError):

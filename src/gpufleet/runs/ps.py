@@ -78,7 +78,7 @@ def _placement(run: RunRecord) -> str:
 
 def call_details(run: RunRecord, out: IO[str]) -> None:
     """``gpufleet get`` of a call's attempt."""
-    from .formats import fmt_duration, fmt_time
+    from .formats import fmt_duration, fmt_time, recovery_lines
 
     c, o = run.config, run.origin
     mlflow = run.mlflow_run_ids()
@@ -105,6 +105,9 @@ def call_details(run: RunRecord, out: IO[str]) -> None:
     width = max(len(k) for k, _ in lines)
     for k, v in lines:
         out.write(f"{k:<{width}}  {v}\n")
+    for a in run.attempts:
+        for line in recovery_lines(a.recoveries):
+            out.write(f"{line}\n")
     for r in range(run.world_size):
         out.write(f"  rank {r} log: {run.log_dir / f'rank-{r}.log'}\n")
 

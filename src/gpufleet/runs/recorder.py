@@ -39,6 +39,7 @@ from .records import AttemptEnd, AttemptRecord, RunRecord
 if TYPE_CHECKING:
     from ..launch.controller import Controller
     from ..launch.group import WorkerGroup
+    from ..launch.recoveries import Recovery
     from .store import RunStore
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class RunRecorder(ControllerCallback):
         self._first_run_id: str | None = None
         self._recorded: set[tuple[str, int]] = set()
         self._stops: dict[int, threading.Event] = {}
+        self._recoveries: dict[int, dict[int, dict[str, Any]]] = {}  # attempt -> number -> record
         self.ends: dict[int, AttemptEnd] = {}
 
     # -- plumbing -----------------------------------------------------------------------
@@ -233,6 +235,15 @@ class RunRecorder(ControllerCallback):
         if db is not None:
             run_id = self._run_of(group)
             self._try(run_id, "the watchdog's note", lambda: db.update_run(run_id, message=note))
+
+    def on_recovery(self, group: WorkerGroup, attempt: int, recovery: Recovery) -> None:
+        """A lost rank's recovery in place (or its refusal): the attempt's ``recoveries``, as they stand."""
+        self._recoveries.setdefault(attempt, {})[recovery.number] = recovery.to_dict()
+        db = self._recording(group, attempt)
+        if db is not None:
+            run_id = self._run_of(group)
+            rows = [self._recoveries[attempt][n] for n in sorted(self._recoveries[attempt])]
+            self._try(run_id, "the recovery", lambda: db.update_attempt(run_id, attempt, recoveries=rows))
 
     # -- the caller's watch on its record ------------------------------------------------
     def _watch_cancel(self, db: RunStore, group: WorkerGroup, attempt: int, stop: threading.Event) -> None:

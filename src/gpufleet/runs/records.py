@@ -94,6 +94,8 @@ class AttemptRecord:
     mlflow_run_id: str | None = None
     nodes: list[dict[str, Any]] = field(default_factory=list)
     message: str | None = None
+    #: Each lost rank replaced in place (or refused) in this attempt (``Recovery.to_dict()``), in order.
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
 
     def log_paths(self) -> list[str]:
         """Per-node log files of this attempt, in node-rank order."""

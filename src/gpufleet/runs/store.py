@@ -101,6 +101,7 @@ _RUN_COLUMNS = [
 ]  # fmt: skip
 #: Columns stored as JSON text.
 _JSON_COLUMNS = ("config", "origin", "placement")
+_ATTEMPT_JSON_COLUMNS = ("nodes", "recoveries")
 
 # SQLite's primary result codes (``sqlite3.Error.sqlite_errorcode & 0xff``)
 _SQLITE_PERM, _SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_READONLY = 3, 5, 6, 8
@@ -133,7 +134,8 @@ def _run_from_row(row: sqlite3.Row) -> RunRecord:
 def _attempt_from_row(row: sqlite3.Row) -> AttemptRecord:
     d = dict(row)
     d["state"] = RunState(d["state"])
-    d["nodes"] = json.loads(d["nodes"] or "[]")
+    for col in _ATTEMPT_JSON_COLUMNS:
+        d[col] = json.loads(d[col] or "[]")
     return AttemptRecord(**d)
 
 
@@ -469,7 +471,8 @@ class RunStore:
     def start_attempt(self, attempt: AttemptRecord) -> None:
         """Record a new attempt (RUNNING)."""
         d = asdict(attempt)
-        d["nodes"] = json.dumps(d["nodes"])
+        for col in _ATTEMPT_JSON_COLUMNS:
+            d[col] = json.dumps(d[col])
         cols = list(d)
         self._call(
             lambda db: db.execute(
@@ -480,9 +483,10 @@ class RunStore:
         )  # fmt: skip
 
     def update_attempt(self, run_id: str, attempt: int, **fields: Any) -> None:
-        """Set columns of an attempt (``nodes`` as a list of dicts)."""
-        if "nodes" in fields:
-            fields["nodes"] = json.dumps(fields["nodes"])
+        """Set columns of an attempt (``nodes`` and ``recoveries`` as lists of dicts)."""
+        for col in _ATTEMPT_JSON_COLUMNS:
+            if col in fields:
+                fields[col] = json.dumps(fields[col])
         sets = ", ".join(f"{k} = ?" for k in fields)
         self._call(
             lambda db: db.execute(

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from ..launch.controller import ControllerCallback
 from ..launch.group import WorkerGroup
+from ..launch.recoveries import RECOVERED, REPLACING, Recovery
 from .runs import TrackedRun, caller_active_run, start_tracked_run
 
 #: ``(tracking URI, experiment id)`` whose UI this process has shown in full (later runs there get a short line).
@@ -139,6 +140,7 @@ class RunTracking(ControllerCallback):
         self._tracked: dict[int, TrackedRun] = {}
         self._opening: dict[int, threading.Thread] = {}
         self._started: dict[int, threading.Event] = {}
+        self._recording: dict[int, list[threading.Thread]] = {}
 
     def before_start(self, group: WorkerGroup, attempt: int) -> None:
         handed = self.profile.handed_over(attempt)
@@ -239,6 +241,8 @@ class RunTracking(ControllerCallback):
         if started is not None:
             started.set()  # a group that never started: the opening thread must not wait for it
         self._opened(attempt)
+        for thread in self._recording.pop(attempt, []):
+            thread.join()  # each MLflow call is bounded (TrackedRun): the end waits at most that long
         tracked = self._tracked.pop(attempt, None)
         if tracked is None:
             return
@@ -249,6 +253,35 @@ class RunTracking(ControllerCallback):
             self.profile.warn(f"could not record the attempt in MLflow: {e}")
         finally:
             tracked.end(status)
+
+
+    def on_recovery(self, group: WorkerGroup, attempt: int, recovery: Recovery) -> None:
+        """Each recovery's end (or refusal) in the attempt's MLflow run: the tag
+        ``gpufleet.recovery.N`` (its line), and, once the rank is back, the metrics
+        ``gpufleet.recovery.seconds_lost``, ``.steps_lost`` and ``.rank`` at step N. Logged on a
+        thread of its own: the controller watches the ranks meanwhile."""
+        if recovery.outcome == REPLACING:
+            return  # logged once it is back, or failed
+
+        earlier = list(self._recording.get(attempt, []))
+
+        def record() -> None:
+            for waited in [self._opening.get(attempt), *earlier]:  # the run open, and the recoveries in order
+                if waited is not None:
+                    waited.join()
+            tracked = self._tracked.get(attempt)
+            if tracked is None:
+                return
+            tracked.set_tags({f"gpufleet.recovery.{recovery.number}": recovery.describe(),
+                              "gpufleet.recoveries": recovery.number})  # fmt: skip
+            if recovery.outcome == RECOVERED:
+                tracked.log_metrics({"gpufleet.recovery.seconds_lost": recovery.seconds_lost or 0.0,
+                                     "gpufleet.recovery.steps_lost": recovery.steps_lost or 0,
+                                     "gpufleet.recovery.rank": recovery.rank}, step=recovery.number)  # fmt: skip
+
+        thread = threading.Thread(target=record, name=f"gpufleet-mlflow-recovery-{group.run_id}", daemon=True)
+        self._recording.setdefault(attempt, []).append(thread)
+        thread.start()
 
 
 class CallTracking:

@@ -311,6 +311,16 @@ class TrackedRun:
         items = [RunTag(str(k), str(v)) for k, v in tags.items()]
         self._safely("set tags", self._client.log_batch, self.run_id, tags=items)
 
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Log metrics at ``step``, now."""
+        if self.run_id is None or not metrics:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(str(k), float(v), now, step) for k, v in metrics.items()]
+        self._safely("log metrics", self._client.log_batch, self.run_id, metrics=items)
+
     def set_status(self, status: str) -> None:
         """Record the outcome to set when the run ends: SUCCESS, FAILED, CANCELED or TIMEDOUT."""
         key = status.upper()

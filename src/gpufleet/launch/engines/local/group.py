@@ -31,6 +31,7 @@ from ...spec import (
     local_slots,
     package_parent,
 )
+from ...store import Recovered, recovered_key
 from ...worker import LOOPBACK_STORE_ENV
 from ..base import Unit
 from .engine import LocalEngine
@@ -109,6 +110,7 @@ class LocalWorkerGroup(WorkerGroup):
         self.replaces_ranks = spec.env.get(envcontract.RECOVERY) == "replace"
         self._store: Any = None
         self._generation = 0
+        self._rejoining: set[int] = set()  # generations whose replacement has not said it is back
         self.replacements: dict[int, int] = {}
         self.engine = LocalEngine(spec.run_id, placement.gpu_request if placement.use_gpus else None,
                                   placement.gpu_indices if placement.use_gpus else (), holder="call")  # fmt: skip
@@ -196,6 +198,7 @@ class LocalWorkerGroup(WorkerGroup):
         extra = {envcontract.GENERATION: str(self._generation),
                  envcontract.INCARNATION: str(self.replacements[rank] + 1)}  # fmt: skip
         proc = self._start_rank(rank, extra)
+        self._rejoining.add(self._generation)
         self._procs[rank] = proc
         self._pumps[rank] = _Pump(proc, RankLog(rank, self.run_dir.log(rank), self._logs))
         return proc.pid
@@ -206,6 +209,24 @@ class LocalWorkerGroup(WorkerGroup):
         if self._store is not None:
             notice = Notice("stop", self._generation, rank, cause, reason)
             self._store.set(notice_key(notice.generation), notice.to_bytes())
+
+    def recovered(self) -> list[Recovered]:
+        back: list[Recovered] = []
+        for generation in sorted(self._rejoining):
+            key = recovered_key(generation)
+            try:
+                if not self._store.check([key]):
+                    continue
+                report = Recovered.parse(self._store.get(key))
+            except Exception as e:  # noqa: BLE001 - a report that is not one: the recovery stays unreported
+                logger.warning("run %s: the recovery report of generation %d is unreadable: %s", self.run_id,
+                               generation, e)  # fmt: skip
+                self._rejoining.discard(generation)
+                continue
+            self._rejoining.discard(generation)
+            if report.generation == generation:
+                back.append(report)
+        return back
 
     # -- watching -------------------------------------------------------------------------
     def _known(self, rank: int) -> bool:
