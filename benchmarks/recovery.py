@@ -4,7 +4,9 @@ One DDP training run (an MLP, AdamW, dropout, data drawn per step and rank) of `
 runs four ways on CPU workers (gloo):
 
 - ``uninterrupted``: the reference (gpufleet, no fault);
-- ``replace``: gpufleet, ``recovery="replace"``, rank ``--rank`` SIGKILLed as step ``--kill-at`` begins;
+- ``replace``: gpufleet, ``recovery="replace"``, rank ``--rank`` SIGKILLed as step ``--kill-at`` begins
+  (a new process starts cold for it);
+- ``replace-spare``: the same with ``spares=1``: a warm spare (imports done) takes the rank;
 - ``restart``: gpufleet today, ``max_retries=1``, a checkpoint every ``--save-every`` steps, the same
   kill: every rank restarts and resumes from the newest checkpoint, which is also what
   ``torchrun --max-restarts`` and the other launchers do.
@@ -17,7 +19,7 @@ changed), ``bit_identical`` (final parameters equal the reference's) and ``goodp
 step time over wall time for a run of 1 step per second with one such failure every
 ``--fail-every`` steps (1800: every 30 minutes), with each way's steady cost per step (the boundary
 snapshots of ``replace``, measured against the uninterrupted run) counted too. The last line is
-one JSON object for the ``replace`` way. (A plain ``torchrun --max-restarts=1`` way is not in
+one JSON object for the ``replace`` way, with the ``replace-spare`` way's under ``with_spare``. (A plain ``torchrun --max-restarts=1`` way is not in
 the table yet.)
 
     python benchmarks/recovery.py --cpu                      # 2 ranks
@@ -157,12 +159,13 @@ def main() -> None:
         base = _step_s(ref_records)
         ways = {
             "replace": _gpufleet(work, "replace", args, recovery="replace", faults=kill),
+            "replace-spare": _gpufleet(work, "replace-spare", args, recovery="replace", spares=1, faults=kill),
             "restart": _gpufleet(work, "restart", args, max_retries=1, faults=kill),
         }
         steady = _gpufleet(work, "replace-steady", args, recovery="replace")
         rows = {}
         for name, (records, params) in ways.items():
-            steady_s = _step_s(steady[0]) if name == "replace" else base
+            steady_s = _step_s(steady[0]) if name.startswith("replace") else base
             rows[name] = _measure(records, params, reference, args, steady_s, base)
     print(f"one DDP run of {args.steps} steps on {args.workers} CPU workers (gloo), rank {args.rank} SIGKILLed "
           f"as step {args.kill_at} begins; checkpoints every {args.save_every} steps (restart); "
@@ -172,9 +175,10 @@ def main() -> None:
     for name, row in rows.items():
         print("  ".join(f"{str(v):>19}" for v in [name, *(row[h] for h in head[1:])]))
     replace = rows["replace"]
-    print(f"replace vs restart: recovery {replace['recovery_s']:.2f} s vs {rows['restart']['recovery_s']:.2f} s, "
+    print(f"replace (warm spare / cold) vs restart: recovery {rows['replace-spare']['recovery_s']:.2f} s / "
+          f"{replace['recovery_s']:.2f} s vs {rows['restart']['recovery_s']:.2f} s, "
           f"{replace['steps_lost']} vs {rows['restart']['steps_lost']} steps lost")  # fmt: skip
-    print(json.dumps({"workers": args.workers, "killed_rank": args.rank, **replace}))
+    print(json.dumps({"workers": args.workers, "killed_rank": args.rank, **replace, "with_spare": rows["replace-spare"]}))
 
 
 if __name__ == "__main__":

@@ -178,6 +178,7 @@ class DistributedFunction:
         env = {**live_env(view, watchdog_env(opts.hang_timeout)), **opts.env, **secret_env(secrets)}
         if opts.recovery == "replace":
             env[envcontract.RECOVERY] = "replace"
+            env[envcontract.SPARES] = str(opts.spares)
         name = opts.name or getattr(self.func, "__name__", "run")
 
         def attempt_run(attempt: int) -> tuple[str, Callable[[str], RunDir]]:
@@ -375,7 +376,9 @@ def distributed(
             in a terminal; False: off, as with ``GPUFLEET_LIVE=0``; see :mod:`gpufleet.live`),
             ``recovery`` (``"replace"``: a rank whose process dies is replaced in place while the
             others keep their processes and go on from the last step every rank completed;
-            default ``"restart"``; see docs/recovery.md).
+            default ``"restart"``; see docs/recovery.md), ``spares`` (with ``recovery="replace"``:
+            processes kept ready, imports done, to take a dead rank's place; default 0: a new
+            process starts cold).
 
     Works bare (``@distributed``) and with arguments (``@distributed(gpus=2)``).
     """

@@ -343,6 +343,13 @@ def _on_torch_step(*_: Any) -> None:
     _seen(_torch_steps)
 
 
+def restart_count() -> None:
+    """Count steps afresh: the function runs again in this process (a survivor of a replaced rank),
+    from its resumed step, and its ``step=N`` faults fire at that count, not at the earlier run's."""
+    global _step, _torch_steps, _last_step_time
+    _step, _torch_steps, _last_step_time = 0, 0, None
+
+
 def disarm() -> None:
     """Forget this rank's faults and cancel their timers (a warm rank's call has ended)."""
     global _armed, _last_step_time, _unfired

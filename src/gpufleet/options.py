@@ -52,6 +52,8 @@ class LaunchOptions:
     #: What a rank's death costs: "restart" every rank (from the newest checkpoint, with ``max_retries``)
     #: or "replace" that rank in place (docs/recovery.md).
     recovery: str = "restart"
+    #: With ``recovery="replace"``: processes kept ready (imports done) to take a dead rank's place.
+    spares: int = 0
 
     def check(self) -> None:
         """Reject wrong settings with a message that says what is allowed."""
@@ -131,6 +133,12 @@ class LaunchOptions:
         if self.recovery == "replace" and self.remote:
             raise LaunchConfigError("recovery='replace' replaces ranks on this machine only for now; on Ray or Slurm "
                                     "use recovery='restart' with max_retries")  # fmt: skip
+        if isinstance(self.spares, bool) or not isinstance(self.spares, int) or not 0 <= self.spares <= 8:
+            raise LaunchConfigError(f"spares must be a whole number from 0 to 8 (processes kept ready to replace a "
+                                    f"dead rank), got {self.spares!r}")  # fmt: skip
+        if self.spares and self.recovery != "replace":
+            raise LaunchConfigError(f"spares={self.spares} keeps processes ready to replace a dead rank in place: it "
+                                    "needs recovery='replace' (or drop spares)")  # fmt: skip
         if self.recovery == "replace" and self.keep_warm:
             raise LaunchConfigError("recovery='replace' starts its ranks fresh for each call: drop keep_warm "
                                     "(or set keep_warm=False)")  # fmt: skip

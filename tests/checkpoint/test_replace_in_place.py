@@ -87,9 +87,9 @@ def test_each_recovery_is_recorded_in_the_run_store_gpufleet_get_and_mlflow(
     (attempt,) = stored["attempts"]
     (recovery,) = attempt["recoveries"]
     assert {k: recovery[k] for k in ("attempt", "number", "rank", "cause", "outcome", "resumed_step", "steps_lost",
-                                     "old_pid", "new_pid", "generation", "reason")} == {  # fmt: skip
+                                     "old_pid", "new_pid", "warm", "generation", "reason")} == {  # fmt: skip
         "attempt": 1, "number": 1, "rank": 1, "cause": "SIGKILL", "outcome": "recovered", "resumed_step": 29,
-        "steps_lost": 0, "old_pid": old_pid, "new_pid": out[1]["pid"], "generation": 1, "reason": None}
+        "steps_lost": 0, "old_pid": old_pid, "new_pid": out[1]["pid"], "warm": False, "generation": 1, "reason": None}
     assert 0 < recovery["seconds_lost"] < 120
     assert recovery["recovered_at"] == pytest.approx(recovery["died_at"] + recovery["seconds_lost"])
     assert [r.to_dict() for r in handle.recoveries] == [recovery]  # the caller's handle
@@ -188,3 +188,51 @@ def test_a_loop_that_does_not_mark_its_steps_falls_back_and_says_why(tmp_path: P
     # the rank is replaced, but at the join no rank knows a completed step: every rank raises, saying why
     with pytest.raises(RecoveryError, match=r"holds no completed step \(the loop must run over CheckpointManager.steps"):
         fn.distributed(str(tmp_path / "ckpt"), str(data_dir), TOTAL, str(records), use_steps=False)
+
+
+def test_a_warm_spare_takes_the_dead_ranks_place_and_the_run_ends_as_if_nothing_happened(
+    tmp_path: Path, data_dir: Path, reference: tuple[list[dict], list[list[dict]]], capfd: pytest.CaptureFixture[str],
+) -> None:
+    records = tmp_path / "records"
+    records.mkdir()
+    fn = distributed(train_replaceable, gpus=2, gpu_type="cpu", timeout=240, tracking=False, recovery="replace",
+                     spares=1, faults=["kill:rank=1:step=30"])  # fmt: skip
+    handle = fn.submit(str(tmp_path / "ckpt"), str(data_dir), TOTAL, str(records))
+    out = handle.result(timeout=240)
+    ranks = [read_records(str(records), rank) for rank in range(2)]
+    _assert_same(reference, out, ranks)
+    assert [o["attempt"] for o in out] == ["1", "1"] and {r["pid"] for r in ranks[0]} == {out[0]["pid"]}
+    (recovery,) = handle.recoveries
+    assert (recovery.outcome, recovery.warm, recovery.new_pid) == ("recovered", True, out[1]["pid"])
+    err = capfd.readouterr().err
+    assert f"rank 1 died (SIGKILL); replaced in place by a warm spare (pid {out[1]['pid']})" in err
+    assert f"[rank 1] gpufleet: warm spare 0 (pid {out[1]['pid']}) takes rank 1" in err  # its lines are rank 1's now
+    assert (Path(handle.run_dir) / "spare-0.log").exists() and (Path(handle.run_dir) / "spare-1.log").exists()  # refilled
+
+
+def test_two_deaths_in_one_run_each_take_a_warm_spare(tmp_path: Path, data_dir: Path,
+                                                      reference: tuple[list[dict], list[list[dict]]]) -> None:  # fmt: skip
+    """Rank 1 dies at step 12 and takes spare 0; once it is back, spare 1 starts; rank 0 dies at step 30 and
+    takes it. Every step runs once on each rank, bit for bit as without the deaths."""
+    records = tmp_path / "records"
+    records.mkdir()
+    fn = distributed(train_replaceable, gpus=2, gpu_type="cpu", timeout=240, tracking=False, recovery="replace",
+                     spares=1, faults=["kill:rank=1:step=12", "kill:rank=0:step=30"])  # fmt: skip
+    handle = fn.submit(str(tmp_path / "ckpt"), str(data_dir), TOTAL, str(records))
+    out = handle.result(timeout=240)
+    _assert_same(reference, out, [read_records(str(records), rank) for rank in range(2)])
+    assert [(r.rank, r.outcome, r.warm, r.resumed_step) for r in handle.recoveries] == [
+        (1, "recovered", True, 11), (0, "recovered", True, 29)]  # fmt: skip
+    assert [r.new_pid for r in handle.recoveries] == [out[1]["pid"], out[0]["pid"]]
+
+
+def test_a_failed_run_with_a_spare_leaves_no_process(tmp_path: Path, data_dir: Path) -> None:
+    """The spare that no death needed is stopped with the ranks (the suite's leftover-process check)."""
+    records = tmp_path / "records"
+    records.mkdir()
+    fn = distributed(train_replaceable, gpus=2, gpu_type="cpu", timeout=240, tracking=False, recovery="replace",
+                     spares=1)  # fmt: skip
+    handle = fn.submit(str(tmp_path / "ckpt"), str(data_dir), TOTAL, str(records), raise_at=20)
+    with pytest.raises(ValueError, match="a bug at step 20"):
+        handle.result(timeout=240)
+    assert (Path(handle.run_dir) / "spare-0.log").exists()

@@ -10,8 +10,9 @@ import pytest
 from gpufleet.errors import LaunchConfigError, RankFailure
 from gpufleet.faults import parse_fault
 from gpufleet.launch.controller import ControllerCallback
+from gpufleet.launch.group import Replacement
 from gpufleet.launch.policy import RankLost, RetryPolicy
-from gpufleet.launch.store import Notice, Recovered
+from gpufleet.launch.store import Assignment, Notice, Recovered
 from gpufleet.options import make_options
 from gpufleet.states import FAILED, SUCCESS
 from tests.unit.test_controller import FakeGroup, make, ok, raised
@@ -52,16 +53,17 @@ class ReplacingGroup(FakeGroup):
         self.refused: list[tuple[int, str, str]] = []
         self.replacements: dict[int, int] = {}
         self.back = dict(back or {})
+        self.warm = False
 
     @property
     def pids(self) -> list[int]:
         return [1000 + r for r in range(self.spec.world_size)]
 
-    def replace(self, rank: int, cause: str) -> int:
+    def replace(self, rank: int, cause: str) -> Replacement:
         self.replaced.append((rank, cause))
         self.replacements[rank] = self.replacements.get(rank, 0) + 1
         self.failures.pop(rank)
-        return 4242
+        return Replacement(4242, warm=self.warm)
 
     def recovered(self) -> list[Recovered]:
         return [self.back.pop(n) for n in sorted(self.back) if n <= self.polls]
@@ -153,6 +155,16 @@ def test_a_recovery_report_round_trips_and_anything_else_is_refused() -> None:
             Recovered.parse(bad)
 
 
+def test_a_spare_assignment_round_trips_and_names_a_ranks_own_variables_only() -> None:
+    assignment = Assignment(1, 2, 3, {"RANK": "1", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "r"})
+    assert Assignment.parse(assignment.to_bytes()) == assignment
+    good = {"rank": 1, "generation": 2, "incarnation": 3, "env": {"RANK": "1"}}
+    for bad in [{**good, "env": {"LD_PRELOAD": "/tmp/x.so"}}, {**good, "env": {"RANK": 1}}, {**good, "env": ["RANK"]},
+                {**good, "rank": "1"}, {k: v for k, v in good.items() if k != "incarnation"}]:
+        with pytest.raises(ValueError):
+            Assignment.parse(json.dumps(bad).encode())
+
+
 def test_a_notice_round_trips_and_anything_else_is_refused() -> None:
     notice = Notice("replace", 2, 1, "SIGKILL")
     assert Notice.parse(notice.to_bytes()) == notice
@@ -176,6 +188,12 @@ def test_a_fault_hits_one_incarnation_and_recovery_is_checked() -> None:
         make_options(recovery="replace", remote="ray://127.0.0.1:10001")
     with pytest.raises(LaunchConfigError, match="drop keep_warm"):
         make_options(recovery="replace", keep_warm=60)
+    with pytest.raises(LaunchConfigError, match=r"spares=1 keeps processes ready .* needs recovery='replace'"):
+        make_options(spares=1)
+    for bad in (-1, 9, 1.5, True, "1"):
+        with pytest.raises(LaunchConfigError, match="spares must be a whole number from 0 to 8"):
+            make_options(recovery="replace", spares=bad)
+    assert make_options(recovery="replace", spares=2).spares == 2
 
 
 def test_a_fault_of_the_first_incarnation_is_not_armed_in_a_replacement(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -186,7 +186,7 @@ def test_a_calls_recoveries_are_kept_in_its_attempt_row_and_shown_by_get(store: 
     (run,) = store.list(states=None, filters={"kind": "call"})
     (stored,) = run.attempts[0].recoveries
     assert stored == {"attempt": 1, "number": 1, "rank": 1, "cause": "SIGKILL", "outcome": "recovered", "died_at": 1.0,
-                      "old_pid": 1001, "new_pid": 4242, "generation": 1, "resumed_step": 29, "steps_lost": 0,
+                      "old_pid": 1001, "new_pid": 4242, "warm": False, "generation": 1, "resumed_step": 29, "steps_lost": 0,
                       "recovered_at": 3.25, "seconds_lost": 2.25, "reason": None}  # fmt: skip
     shown = io.StringIO()
     run_details(run, out=shown)

@@ -423,8 +423,9 @@ class Controller:
             group.refuse_replacement(first.rank, cause, why_not)
             self._recovery(group, dataclasses.replace(record, outcome=REFUSED, reason=why_not))
             return False
-        pid = group.replace(first.rank, cause)
-        self._recovery(group, dataclasses.replace(record, new_pid=pid, generation=sum(replacements.values())))
+        new = group.replace(first.rank, cause)
+        self._recovery(group, dataclasses.replace(record, new_pid=new.pid, warm=new.warm,
+                                                  generation=sum(replacements.values())))  # fmt: skip
         return True
 
     def _recovery(self, group: WorkerGroup, record: Recovery) -> None:

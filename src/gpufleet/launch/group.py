@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import GpufleetError, RankFailure
 from ..results import RunDir
@@ -59,6 +59,14 @@ class GroupStatus:
     def first_failure(self) -> RankFailure | None:
         """The earliest failure in time, if any."""
         return min(self.failures.values(), key=lambda f: (f.time, f.rank)) if self.failures else None
+
+
+class Replacement(NamedTuple):
+    """The process that took a dead rank's place (:meth:`WorkerGroup.replace`)."""
+
+    pid: int
+    #: A warm spare (imports done) rather than a process started cold.
+    warm: bool = False
 
 
 class WorkerGroup(abc.ABC):
@@ -171,9 +179,9 @@ class WorkerGroup(abc.ABC):
     #: A dead rank can be replaced in place (:meth:`replace`); only the local group, with ``recovery="replace"``.
     replaces_ranks: bool = False
 
-    def replace(self, rank: int, cause: str) -> int:
-        """Start a new process for rank ``rank``, whose process died of ``cause``, and tell the
-        survivors to go on with it; the new process's pid."""
+    def replace(self, rank: int, cause: str) -> Replacement:
+        """Start a new process for rank ``rank`` (or hand its place to a warm spare), whose process
+        died of ``cause``, and tell the survivors to go on with it; which process took it."""
         raise NotImplementedError(f"{type(self).__name__} cannot replace a rank in place")
 
     def refuse_replacement(self, rank: int, cause: str, reason: str) -> None:

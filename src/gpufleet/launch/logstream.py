@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -95,3 +97,44 @@ class RankLog:
 def failure_text(rank: int, exc_type: str, traceback: str) -> str:
     """What a failed rank's log ends with: a line naming the failure, then its traceback."""
     return f"gpufleet: rank {rank} failed with {exc_type}; its traceback:\n{traceback.rstrip()}\n"
+
+
+class Pump:
+    """Copies one local process's stdout and stderr, line by line, into a :class:`RankLog`; the log can
+    change while it runs (:meth:`serve`: a warm spare that takes a rank writes into that rank's log)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], log: RankLog) -> None:
+        self._log = log
+        self._lock = threading.Lock()
+        self.threads = [
+            threading.Thread(target=self._pump, args=(proc.stdout, False), daemon=True),
+            threading.Thread(target=self._pump, args=(proc.stderr, True), daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
+
+    @property
+    def log(self) -> RankLog:
+        return self._log
+
+    def serve(self, log: RankLog) -> RankLog:
+        """Write the lines from now on into ``log``; the log served before (to close)."""
+        with self._lock:
+            old, self._log = self._log, log
+        return old
+
+    def _pump(self, pipe: IO[bytes], is_stderr: bool) -> None:
+        for line in iter(pipe.readline, b""):
+            with self._lock:
+                self._log.write(line, is_stderr)
+        pipe.close()
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        self.join(1.0)
+        with self._lock:
+            self._log.close()

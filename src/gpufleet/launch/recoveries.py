@@ -44,6 +44,8 @@ class Recovery:
     died_at: float
     old_pid: int | None = None
     new_pid: int | None = None
+    #: The new process was a warm spare (imports done), not one started cold.
+    warm: bool = False
     #: The process group's generation the replacement joined.
     generation: int | None = None
     #: The step every rank went on from (the last one all of them completed).
@@ -78,7 +80,8 @@ class Recovery:
     def describe(self) -> str:
         """One line: what happened to the rank (the caller's line, the MLflow tag, ``gpufleet get``)."""
         if self.outcome == REPLACING:
-            return (f"rank {self.rank} died ({self.cause}); replaced in place by a new process (pid {self.new_pid}); "
+            by = "a warm spare" if self.warm else "a new process"
+            return (f"rank {self.rank} died ({self.cause}); replaced in place by {by} (pid {self.new_pid}); "
                     "the other ranks go on")  # fmt: skip
         if self.outcome == RECOVERED:
             lost = f"{self.steps_lost} step{'' if self.steps_lost == 1 else 's'}"

@@ -25,13 +25,13 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
-from .. import runtime
-from . import store
+from .. import faults, runtime
+from . import progress, store
 from .failures import is_secondary
 from .node import envcontract
 
 __all__ = ["enabled", "forget", "group_sockets", "generation", "init_arguments", "next_generation", "report_back",
-           "verdict_after"]
+           "take_rank", "verdict_after"]
 
 #: How long a survivor waits for the launcher's verdict (the launcher sees a death within a poll).
 VERDICT_WAIT_S = 60.0
@@ -155,6 +155,8 @@ def next_generation(notice: store.Notice) -> None:
         except Exception:  # noqa: BLE001 - a group broken by the lost peer; it goes with the process's next group
             pass
     gc.collect()  # the old model's wrapper, its reducer and its buckets, before the next generation allocates
+    progress.reset()  # the function runs again: its steps (the live view's, the faults') count from its resume
+    faults.restart_count()
     os.environ[envcontract.GENERATION] = str(notice.generation + 1)
 
 
@@ -188,3 +190,28 @@ def report_back(resumed_step: int, steps_lost: int) -> None:
     except Exception as e:  # noqa: BLE001 - the launcher then records the recovery without its numbers
         print(f"gpufleet: rank {runtime.rank_text()} could not report its recovery ({type(e).__name__}: {e})",
               file=sys.stderr, flush=True)  # fmt: skip
+
+
+def take_rank(spare: int) -> int | None:
+    """In warm spare number ``spare`` (imports done, the call loaded): wait until the launcher gives it a
+    dead rank's place, take that rank's variables, generation and incarnation, and return the rank.
+    None when the launcher's store is gone (the run ended without needing it): the spare exits."""
+    key = store.spare_key(spare)
+    try:
+        client = store.client(_store_port(), VERDICT_WAIT_S)
+        while True:
+            try:
+                client.wait([key], datetime.timedelta(seconds=VERDICT_WAIT_S))
+                break
+            except Exception as e:  # noqa: BLE001 - a wait's timeout: the run goes on without needing a spare
+                if "timeout" not in str(e).lower():
+                    raise
+        assignment = store.Assignment.parse(client.get(key))
+    except Exception:  # noqa: BLE001 - the store closed with its run (or never answered): nothing to take
+        return None
+    os.environ.update(assignment.env)
+    os.environ[envcontract.GENERATION] = str(assignment.generation)
+    os.environ[envcontract.INCARNATION] = str(assignment.incarnation)
+    os.environ.pop(envcontract.SPARE, None)
+    print(f"gpufleet: warm spare {spare} (pid {os.getpid()}) takes rank {assignment.rank}", file=sys.stderr, flush=True)
+    return assignment.rank

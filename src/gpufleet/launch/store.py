@@ -12,7 +12,8 @@ The launcher tells the ranks what it decided about a dead peer through one key p
 the process group, ``gpufleet/notice/{generation}``; the replacement tells the launcher that it
 is back (the step every rank went on from, when it completed the next one) through
 ``gpufleet/recovered/{generation}``. Both are small JSON, parsed strictly (any local user can
-reach a loopback port, so nothing pickled ever crosses the store).
+reach a loopback port, so nothing pickled ever crosses the store). A warm spare learns which
+rank it takes through ``gpufleet/spare/{number}`` (:class:`Assignment`).
 """
 
 from __future__ import annotations
@@ -23,12 +24,17 @@ import socket
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["NOTICE_PREFIX", "Notice", "Recovered", "generation_prefix", "host", "notice_key", "recovered_key"]
+from .node import envcontract
+
+__all__ = ["NOTICE_PREFIX", "Assignment", "Notice", "Recovered", "generation_prefix", "host", "notice_key",
+           "recovered_key", "spare_key"]
 
 #: Where the launcher posts its verdict about generation g's dead peer.
 NOTICE_PREFIX = "gpufleet/notice/"
 #: Where the replacement that joined generation g says it is back.
 RECOVERED_PREFIX = "gpufleet/recovered/"
+#: Where warm spare n learns which rank it takes.
+SPARE_PREFIX = "gpufleet/spare/"
 #: What a store lives for (the ranks' own collectives have their own timeout).
 STORE_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -39,6 +45,10 @@ def notice_key(generation: int) -> str:
 
 def recovered_key(generation: int) -> str:
     return f"{RECOVERED_PREFIX}{generation}"
+
+
+def spare_key(number: int) -> str:
+    return f"{SPARE_PREFIX}{number}"
 
 
 def generation_prefix(generation: int) -> str:
@@ -95,14 +105,38 @@ class Recovered:
                              numbers=("at",)))  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Assignment:
+    """The launcher's word to a warm spare: take rank ``rank`` as its process number ``incarnation``
+    in generation ``generation``, with ``env``, that rank's own variables (``envcontract.RANK_VARS``)."""
+
+    rank: int
+    generation: int
+    incarnation: int
+    env: dict[str, str]
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def parse(cls, data: bytes) -> Assignment:
+        """An assignment read back from the store; ValueError for anything but what :meth:`to_bytes` writes
+        (``env`` names only a rank's own variables)."""
+        fields = _fields(data, "spare assignment", ints=("rank", "generation", "incarnation"), objects=("env",))
+        env = fields["env"]
+        if set(env) - set(envcontract.RANK_VARS) or not all(isinstance(v, str) for v in env.values()):
+            raise ValueError(f"a spare assignment's env holds a rank's own variables, as text: {data[:200]!r}")
+        return cls(**fields)
+
+
 def _fields(data: bytes, what: str, ints: tuple[str, ...] = (), texts: tuple[str, ...] = (),
-            numbers: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
+            numbers: tuple[str, ...] = (), objects: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
     """The JSON object in ``data`` with exactly these keys, each of its type; ValueError for anything else."""
     try:
         fields = json.loads(data.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"not a gpufleet {what}: {data[:200]!r}") from e
-    if not isinstance(fields, dict) or set(fields) != {*ints, *texts, *numbers}:
+    if not isinstance(fields, dict) or set(fields) != {*ints, *texts, *numbers, *objects}:
         raise ValueError(f"not a gpufleet {what}: {data[:200]!r}")
     for key in ints + numbers:
         value = fields[key]
@@ -110,6 +144,8 @@ def _fields(data: bytes, what: str, ints: tuple[str, ...] = (), texts: tuple[str
             raise ValueError(f"a {what}'s {key} is a number: {data[:200]!r}")
     if not all(isinstance(fields[k], str) for k in texts):
         raise ValueError(f"a {what}'s {', '.join(texts)} are text: {data[:200]!r}")
+    if not all(isinstance(fields[k], dict) for k in objects):
+        raise ValueError(f"a {what}'s {', '.join(objects)} are objects: {data[:200]!r}")
     return fields
 
 

@@ -296,9 +296,15 @@ def take_late_env(path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry of ``python -m gpufleet.launch.worker RUN_DIR RANK``."""
+    """Entry of ``python -m gpufleet.launch.worker RUN_DIR RANK``.
+
+    A warm spare (``GPUFLEET_SPARE``; its RANK argument is only a number for its files) does what a
+    rank does up to loading the call, then waits until it takes a dead rank's place
+    (:func:`gpufleet.launch.replace.take_rank`) and runs the call as that rank.
+    """
     argv = sys.argv[1:] if argv is None else argv
     run_dir, rank = RunDir(Path(argv[0])), int(argv[1])
+    spare = os.environ.get(envcontract.SPARE)
     parent = os.environ.get(PARENT_PID_ENV)
     if parent:
         _watch_parent(int(parent))
@@ -307,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stack dump into the log at a timeout
     from . import progress
 
-    progress.start(rank)  # faults to rehearse; progress and stacks when the hang watchdog is on
+    if spare is None:
+        progress.start(rank)  # faults to rehearse; progress and stacks when the hang watchdog is on
 
     late_env = os.environ.pop(LATE_ENV_VAR, None)  # part of the environment comes after the start
     hosts_store = os.environ.get(LOOPBACK_STORE_ENV) == "1" and runtime.rank_text() == "0"
@@ -331,6 +338,16 @@ def main(argv: list[str] | None = None) -> int:
     fast = payload.fast_exit
     call = load_call(payload.call, rank, run_dir.outcome(rank))
     del payload  # the call's bytes go: a large argument is held once, as the object it is
+    if spare is not None:
+        from . import replace
+
+        if call is None:
+            return 1  # a spare that cannot load the call takes no rank: the launcher starts a cold one then
+        taken = replace.take_rank(int(spare))
+        if taken is None:
+            return 0
+        rank = taken
+        progress.start(rank)
     ok = call is not None and run_call(*call, rank, run_dir.outcome(rank))
     code = 0 if ok else 1
     if fast:

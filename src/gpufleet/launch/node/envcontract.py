@@ -72,6 +72,12 @@ LOOPBACK_STORE = "GPUFLEET_LOOPBACK_STORE"
 #: "replace": a rank that dies is replaced in place (the launcher hosts the store; survivors wait
 #: for its verdict). Set by api.py; read by launch/replace.py and the checkpoint manager.
 RECOVERY = "GPUFLEET_RECOVERY"
+#: How many warm spare processes the local group keeps ready to replace a dead rank. Set by api.py;
+#: read by the local group (launch/engines/local/spares.py).
+SPARES = "GPUFLEET_SPARES"
+#: In a warm spare: its number (it has no rank until it takes a dead rank's). Set by the local group;
+#: read by launch/worker.py.
+SPARE = "GPUFLEET_SPARE"
 #: The process group's generation (0, then one more after each replacement). Set by the local group
 #: for a replacement and by launch/replace.py in a survivor; read by launch/replace.py.
 GENERATION = "GPUFLEET_GENERATION"

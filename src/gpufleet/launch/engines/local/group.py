@@ -11,14 +11,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from ....errors import RankFailure
 from ....results import ERROR, OK, RunDir, read_outcome
 from ... import failures
-from ...group import GroupStatus, WorkerGroup, reap_later
+from ...group import GroupStatus, Replacement, WorkerGroup, reap_later
 from ...leasing.leases import GpuLease, GpuRequest
-from ...logstream import LogConfig, RankLog, failure_text
+from ...logstream import LogConfig, Pump, RankLog, failure_text
 from ...node import envcontract
 from ...proctree import run_processes
 from ...progress import PROGRESS_INTERVAL_ENV, read_progress, request_stacks
@@ -35,6 +35,7 @@ from ...store import Recovered, recovered_key
 from ...worker import LOOPBACK_STORE_ENV
 from ..base import Unit
 from .engine import LocalEngine
+from .spares import Spares
 
 __all__ = ["LocalPlacement", "LocalWorkerGroup"]
 
@@ -52,33 +53,6 @@ class LocalPlacement:
     master_addr: str = "127.0.0.1"
     #: Lease the GPUs at start (:mod:`gpufleet.launch.leasing.leases`); ``gpu_indices`` become the leased ones.
     gpu_request: GpuRequest | None = None
-
-
-class _Pump:
-    """Copies one rank's stdout and stderr, line by line, into its :class:`RankLog`."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], log: RankLog) -> None:
-        self.log = log
-        self.threads = [
-            threading.Thread(target=self._pump, args=(proc.stdout, False), daemon=True),
-            threading.Thread(target=self._pump, args=(proc.stderr, True), daemon=True),
-        ]
-        for t in self.threads:
-            t.start()
-
-    def _pump(self, pipe: IO[bytes], is_stderr: bool) -> None:
-        for line in iter(pipe.readline, b""):
-            self.log.write(line, is_stderr)
-        pipe.close()
-
-    def join(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for t in self.threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-
-    def close(self) -> None:
-        self.join(1.0)
-        self.log.close()
 
 
 class LocalWorkerGroup(WorkerGroup):
@@ -99,7 +73,7 @@ class LocalWorkerGroup(WorkerGroup):
         self._logs = logs
         self._grace_period_s = grace_period_s
         self._procs: list[subprocess.Popen[bytes]] = []
-        self._pumps: list[_Pump] = []
+        self._pumps: list[Pump] = []
         self._results: dict[int, dict[str, Any]] = {}
         self._failures: dict[int, RankFailure] = {}
         self._closed = False
@@ -111,6 +85,7 @@ class LocalWorkerGroup(WorkerGroup):
         self._store: Any = None
         self._generation = 0
         self._rejoining: set[int] = set()  # generations whose replacement has not said it is back
+        self.spares: Spares | None = None
         self.replacements: dict[int, int] = {}
         self.engine = LocalEngine(spec.run_id, placement.gpu_request if placement.use_gpus else None,
                                   placement.gpu_indices if placement.use_gpus else (), holder="call")  # fmt: skip
@@ -167,13 +142,14 @@ class LocalWorkerGroup(WorkerGroup):
             for rank in range(self.spec.world_size):
                 proc = self._start_rank(rank, {})
                 self._procs.append(proc)
-                self._pumps.append(_Pump(proc, RankLog(rank, self.run_dir.log(rank), self._logs)))
+                self._pumps.append(Pump(proc, RankLog(rank, self.run_dir.log(rank), self._logs)))
             if self.replaces_ranks:  # after the start: the ranks' clients wait for it while they import torch
                 from ...store import host
 
                 self._store = host(self.rendezvous.port, self.spec.world_size)
+                self._start_spares()
         except BaseException:
-            self.engine.stop_processes(self._procs, 0.5)
+            self.engine.stop_processes(self._procs + (self.spares.procs if self.spares else []), 0.5)
             raise
         logger.debug("run %s: %d ranks on port %d", self.run_id, len(self._procs), self.rendezvous.port)
 
@@ -183,25 +159,45 @@ class LocalWorkerGroup(WorkerGroup):
         return self.engine.start(unit).popen
 
     # -- replacing a rank in place --------------------------------------------------------
-    def replace(self, rank: int, cause: str) -> int:
-        """A new process takes rank ``rank`` in the group's next generation; the survivors hear of it
-        through the store (:mod:`gpufleet.launch.replace`) and join that generation beside it."""
+    def _start_spares(self) -> None:
+        count = int(self.spec.env.get(envcontract.SPARES) or 0)
+        if count:
+            assert self.rendezvous is not None
+            rendezvous = self.rendezvous
+            self.spares = Spares(count, self.spec.world_size, self.run_dir, lambda: self._env(0, rendezvous),
+                                 lambda unit: self.engine.start(unit).popen,
+                                 lambda procs: self.engine.stop_processes(procs, 0.0))  # fmt: skip
+            self.spares.start()
+
+    def replace(self, rank: int, cause: str) -> Replacement:
+        """A new process takes rank ``rank`` in the group's next generation (a warm spare, if one is
+        alive, else one started now); the survivors hear of it through the store
+        (:mod:`gpufleet.launch.replace`) and join that generation beside it."""
         from ...store import Notice, notice_key
 
-        assert self._store is not None
+        assert self._store is not None and self.rendezvous is not None
         self._failures.pop(rank, None)
         self.replacements[rank] = self.replacements.get(rank, 0) + 1
         notice = Notice("replace", self._generation, rank, cause)
         self._generation += 1
         self._store.set(notice_key(notice.generation), notice.to_bytes())  # the survivors leave the old group now
         self._pumps[rank].close()  # the dead process's last lines, before the new one's
-        extra = {envcontract.GENERATION: str(self._generation),
-                 envcontract.INCARNATION: str(self.replacements[rank] + 1)}  # fmt: skip
-        proc = self._start_rank(rank, extra)
+        incarnation = self.replacements[rank] + 1
+        log = RankLog(rank, self.run_dir.log(rank), self._logs)
+        spare = None
+        if self.spares is not None:
+            env = self._env(rank, self.rendezvous)
+            spare = self.spares.take(self._store, rank, self._generation, incarnation, env, log)
+        if spare is not None:
+            proc, pump = spare.proc, spare.pump
+        else:
+            extra = {envcontract.GENERATION: str(self._generation), envcontract.INCARNATION: str(incarnation)}
+            proc = self._start_rank(rank, extra)
+            pump = Pump(proc, log)
         self._rejoining.add(self._generation)
         self._procs[rank] = proc
-        self._pumps[rank] = _Pump(proc, RankLog(rank, self.run_dir.log(rank), self._logs))
-        return proc.pid
+        self._pumps[rank] = pump
+        return Replacement(proc.pid, warm=spare is not None)
 
     def refuse_replacement(self, rank: int, cause: str, reason: str) -> None:
         from ...store import Notice, notice_key
@@ -226,6 +222,8 @@ class LocalWorkerGroup(WorkerGroup):
             self._rejoining.discard(generation)
             if report.generation == generation:
                 back.append(report)
+        if back and self.spares is not None:
+            self.spares.start()  # the next spare, now that the recovery no longer needs the cores
         return back
 
     # -- watching -------------------------------------------------------------------------
@@ -301,6 +299,8 @@ class LocalWorkerGroup(WorkerGroup):
 
     # -- stopping -------------------------------------------------------------------------
     def stop(self, reason: str, grace_period_s: float, dump_stacks: bool = False) -> GroupStatus:
+        if self.spares is not None:
+            self.spares.close()
         alive = [p for p in self._procs if p.poll() is None]
         if dump_stacks and alive:
             for p in alive:
@@ -343,6 +343,8 @@ class LocalWorkerGroup(WorkerGroup):
         if self._closed:
             return
         self._closed = True
+        if self.spares is not None:
+            self.spares.close()  # before the store: a spare waiting in it ends now, not with an error
         self._store = None  # its server thread ends with it
         if succeeded:
             # Every rank returned: the results go back now, and a reaper waits for the ranks to
