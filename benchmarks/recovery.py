@@ -8,8 +8,11 @@ runs four ways on CPU workers (gloo):
   (a new process starts cold for it);
 - ``replace-spare``: the same with ``spares=1``: a warm spare (imports done) takes the rank;
 - ``restart``: gpufleet today, ``max_retries=1``, a checkpoint every ``--save-every`` steps, the same
-  kill: every rank restarts and resumes from the newest checkpoint, which is also what
-  ``torchrun --max-restarts`` and the other launchers do.
+  kill: every rank restarts and resumes from the newest checkpoint, which is also what the other
+  launchers do;
+- ``torchrun``: plain ``torchrun --max-restarts=1`` (c10d rendezvous on 127.0.0.1) on the same loop
+  with its own ``torch.save`` checkpoints (model, optimizer, each rank's RNG) every
+  ``--save-every`` steps; the rank SIGKILLs itself as step ``--kill-at`` begins.
 
 Each rank appends ``(step, time, pid, loss)`` as each step ends. The table shows, per way:
 ``recovery_s`` (the dead rank's last completed step to the interrupted step completed on every
@@ -19,8 +22,7 @@ changed), ``bit_identical`` (final parameters equal the reference's) and ``goodp
 step time over wall time for a run of 1 step per second with one such failure every
 ``--fail-every`` steps (1800: every 30 minutes), with each way's steady cost per step (the boundary
 snapshots of ``replace``, measured against the uninterrupted run) counted too. The last line is
-one JSON object for the ``replace`` way, with the ``replace-spare`` way's under ``with_spare``. (A plain ``torchrun --max-restarts=1`` way is not in
-the table yet.)
+one JSON object for the ``replace`` way, with the ``replace-spare`` way's under ``with_spare``.
 
     python benchmarks/recovery.py --cpu                      # 2 ranks
     python benchmarks/recovery.py --cpu --workers 4 --rank 0
@@ -94,6 +96,78 @@ GPUFLEET = LOOP + textwrap.dedent(
     """
 )
 
+TORCHRUN = LOOP + textwrap.dedent(
+    """
+    def main():
+        import signal, sys
+        import torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        ckpt_dir, records = Path(sys.argv[1]), Path(sys.argv[2])
+        steps, hidden, save_every, kill_rank, kill_at = (int(a) for a in sys.argv[3:8])
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = DistributedDataParallel(build(hidden))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        torch.manual_seed(100 + rank)
+        complete = [int(d.name) for d in ckpt_dir.glob("*") if len(list(d.glob("rank*.pt"))) == world]
+        start = max(complete, default=0)
+        if start:  # the newest checkpoint every rank finished: model, optimizer, this rank's RNG
+            state = torch.load(ckpt_dir / str(start) / f"rank{rank}.pt", weights_only=False)
+            model.module.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            torch.set_rng_state(state["rng"])
+        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        with open(records / f"rank{rank}.jsonl", "a") as out:
+            for step in range(start + 1, steps + 1):
+                if first and rank == kill_rank and step == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)  # as step kill_at begins, like gpufleet's fault
+                x, y = batch(step, rank)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                record(out, step, loss.item())
+                if save_every and step % save_every == 0:
+                    folder = ckpt_dir / str(step)
+                    folder.mkdir(parents=True, exist_ok=True)
+                    state = {"model": model.module.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state()}
+                    torch.save(state, folder / f".rank{rank}.tmp")
+                    os.replace(folder / f".rank{rank}.tmp", folder / f"rank{rank}.pt")
+        torch.save(params(model.module), records / f"params{rank}.pt")
+        dist.destroy_process_group()
+
+    main()
+    """
+)
+
+
+def _torchrun(work: Path, args: argparse.Namespace) -> tuple[list[list[dict]], list[dict]]:
+    """The same run under plain ``torchrun --max-restarts=1`` with its own checkpoints (loopback only)."""
+    import socket
+    import subprocess
+
+    import torch
+
+    script = work / "torchrun_loop.py"
+    script.write_text(TORCHRUN)
+    records = work / "torchrun"
+    records.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={args.workers}",
+               "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", str(script),
+               str(work / "ckpt-torchrun"), str(records), str(args.steps), str(args.hidden), str(args.save_every),
+               str(args.rank), str(args.kill_at)]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    params = [torch.load(records / f"params{r}.pt") for r in range(args.workers)]
+    return _records(records, args.workers), params
+
+
 def _records(folder: Path, workers: int) -> list[list[dict[str, Any]]]:
     return [[json.loads(line) for line in (folder / f"rank{r}.jsonl").read_text().splitlines()] for r in range(workers)]
 
@@ -161,6 +235,7 @@ def main() -> None:
             "replace": _gpufleet(work, "replace", args, recovery="replace", faults=kill),
             "replace-spare": _gpufleet(work, "replace-spare", args, recovery="replace", spares=1, faults=kill),
             "restart": _gpufleet(work, "restart", args, max_retries=1, faults=kill),
+            "torchrun": _torchrun(work, args),
         }
         steady = _gpufleet(work, "replace-steady", args, recovery="replace")
         rows = {}
@@ -176,7 +251,8 @@ def main() -> None:
         print("  ".join(f"{str(v):>19}" for v in [name, *(row[h] for h in head[1:])]))
     replace = rows["replace"]
     print(f"replace (warm spare / cold) vs restart: recovery {rows['replace-spare']['recovery_s']:.2f} s / "
-          f"{replace['recovery_s']:.2f} s vs {rows['restart']['recovery_s']:.2f} s, "
+          f"{replace['recovery_s']:.2f} s vs {rows['restart']['recovery_s']:.2f} s (torchrun "
+          f"{rows['torchrun']['recovery_s']:.2f} s), "
           f"{replace['steps_lost']} vs {rows['restart']['steps_lost']} steps lost")  # fmt: skip
     print(json.dumps({"workers": args.workers, "killed_rank": args.rank, **replace, "with_spare": rows["replace-spare"]}))
 

@@ -161,6 +161,26 @@ def test_a_cancel_while_the_replacement_starts_ends_the_run_and_leaves_nothing(t
         handle.result(timeout=5)
 
 
+def test_a_timeout_while_the_replacement_hangs_ends_the_run_timed_out_and_leaves_nothing(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    """The call's one timeout also covers its recoveries: a replacement stuck before it joins does
+    not keep the run (its survivor waiting for it) past it."""
+    from gpufleet.errors import DistributedTimeoutError
+
+    records = tmp_path / "records"
+    records.mkdir()
+    fn = distributed(train_replaceable, gpus=2, gpu_type="cpu", timeout=45, tracking=False, recovery="replace",
+                     faults=["kill:rank=1:step=10", "hang:rank=1:after=0:incarnation=2"])  # fmt: skip
+    handle = fn.submit(str(tmp_path / "ckpt"), str(data_dir), TOTAL, str(records))
+    with pytest.raises(DistributedTimeoutError, match="ran past its timeout of 45 s"):
+        handle.result(timeout=120)
+    assert handle.status == "TIMEDOUT"
+    assert "injected fault: hang" in (Path(handle.run_dir) / "rank-1.log").read_text()  # it timed out in the recovery
+    (recovery,) = handle.recoveries
+    assert recovery.outcome == "failed" and "DistributedTimeoutError" in recovery.reason
+
+
 def test_four_ranks_lose_rank_2_and_every_survivor_goes_on_in_its_own_process(tmp_path: Path, data_dir: Path) -> None:
     """Ranks not connected to the dead one learn of it too (their neighbours shut the old group's
     connections) and all three survivors join the replacement."""
