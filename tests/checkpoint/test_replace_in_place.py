@@ -256,3 +256,60 @@ def test_a_failed_run_with_a_spare_leaves_no_process(tmp_path: Path, data_dir: P
     with pytest.raises(ValueError, match="a bug at step 20"):
         handle.result(timeout=240)
     assert (Path(handle.run_dir) / "spare-0.log").exists()
+
+
+@pytest.mark.parametrize("dead", [1, 0])
+def test_an_fsdp2_rank_is_replaced_from_its_neighbours_copy_and_the_run_ends_as_if_resumed_there(
+    tmp_path: Path, data_dir: Path, dead: int
+) -> None:
+    """No survivor holds the dead rank's shard: the next rank's copy of it (taken every 5 steps) comes
+    to the replacement, every rank goes back to that step and trains the steps after it again, and
+    the run ends as an uninterrupted one: the re-run steps are the same steps. (The copy of step 25
+    travels while steps 26 to 29 run; on a busy machine it may not have arrived, and step 20's is
+    used: that of 20 surely has, as step 25's copy waits for it.)"""
+    ref_records, out_records = tmp_path / "ref", tmp_path / "records"
+    ref_records.mkdir()
+    out_records.mkdir()
+    fn = distributed(train_replaceable, gpus=2, gpu_type="cpu", timeout=240, tracking=False)
+    reference = fn.distributed(str(tmp_path / "ckpt-ref"), str(data_dir), TOTAL, str(ref_records), strategy="fsdp2")
+    fn = distributed(train_replaceable, gpus=2, gpu_type="cpu", timeout=240, tracking=False, recovery="replace",
+                     faults=[f"kill:rank={dead}:step=30"])  # fmt: skip
+    handle = fn.submit(str(tmp_path / "ckpt"), str(data_dir), TOTAL, str(out_records), strategy="fsdp2",
+                       replica_every=5)  # fmt: skip
+    out = handle.result(timeout=240)
+    assert [o["attempt"] for o in out] == ["1", "1"]
+    (recovery,) = handle.recoveries
+    back_to = recovery.resumed_step
+    assert recovery.outcome == "recovered" and back_to in (20, 25) and recovery.steps_lost == 29 - back_to
+    survivor = 1 - dead
+    for rank in range(2):
+        ref, records = read_records(str(ref_records), rank), read_records(str(out_records), rank)
+        steps = [r["step"] for r in records]
+        assert steps == list(range(1, 30)) + list(range(back_to + 1, TOTAL + 1)), f"rank {rank}"
+        if rank == survivor:  # in its own process all along
+            assert {r["pid"] for r in records} == {out[rank]["pid"]}
+        last = {r["step"]: r for r in records}  # each step's last run
+        assert [last[s]["loss"] for s in range(1, TOTAL + 1)] == [r["loss"] for r in ref], f"rank {rank}: losses"
+        assert [last[s]["ids"] for s in range(1, TOTAL + 1)] == [r["ids"] for r in ref], f"rank {rank}: data"
+        for name, value in reference[rank]["params"].items():
+            assert torch_equal(out[rank]["params"][name], value), f"rank {rank}: {name} differs"
+
+
+def test_four_fsdp2_ranks_lose_rank_3_whose_copy_is_on_rank_0(tmp_path: Path, data_dir: Path) -> None:
+    """The ring wraps: the last rank's shard is copied to rank 0, which hands it to the replacement."""
+    records = tmp_path / "records"
+    records.mkdir()
+    fn = distributed(train_replaceable, gpus=4, gpu_type="cpu", timeout=240, tracking=False, recovery="replace",
+                     faults=["kill:rank=3:step=15"])  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="4 CPU workers"):
+        handle = fn.submit(str(tmp_path / "ckpt"), str(data_dir), 20, str(records), strategy="fsdp2", replica_every=4)
+        out = handle.result(timeout=240)
+    assert [o["attempt"] for o in out] == ["1"] * 4
+    (recovery,) = handle.recoveries
+    # the copies of step 12 (exchanged while steps 13 and 14 ran), or on a busy machine step 8's
+    back_to = recovery.resumed_step
+    assert (recovery.rank, recovery.outcome) == (3, "recovered") and back_to in (8, 12)
+    assert recovery.steps_lost == 14 - back_to
+    for rank in range(4):
+        steps = [r["step"] for r in read_records(str(records), rank)]
+        assert steps == list(range(1, 15)) + list(range(back_to + 1, 21)), f"rank {rank}"

@@ -373,11 +373,13 @@ def _resume_into_fresh_objects(ckpt_dir: str, strategy: str) -> dict[str, Any]:
 
 
 def train_replaceable(ckpt_dir: str, data_dir: str, total_steps: int, record_dir: str, *, num_workers: int = 0,
-                      raise_at: int | None = None, use_steps: bool = True) -> dict[str, Any]:  # fmt: skip
+                      raise_at: int | None = None, use_steps: bool = True, strategy: str = "ddp",
+                      replica_every: int = 5) -> dict[str, Any]:  # fmt: skip
     """The loop of docs/recovery.md: like :func:`train`, over ``manager.steps(...)``; each step's
     record (step, loss, sample ids, pid) is appended to ``record_dir/rank{R}.jsonl`` as it ends, since
     a rank replaced in place runs this function again. ``raise_at``: rank 1 raises at that step;
-    ``use_steps=False``: a plain ``range`` loop, which tells gpufleet nothing of where steps end."""
+    ``use_steps=False``: a plain ``range`` loop, which tells gpufleet nothing of where steps end;
+    ``strategy``: "ddp" or "fsdp2" (whose shards are copied to the next rank every ``replica_every`` steps)."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -388,12 +390,13 @@ def train_replaceable(ckpt_dir: str, data_dir: str, total_steps: int, record_dir
 
     runtime.setup()
     rank = dist.get_rank()
-    model = wrap(build_model(), "ddp")
+    model = wrap(build_model(), strategy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
     dataset = FileDataset(data_dir, pattern="*.pt", cache_dir=Path(ckpt_dir).parent / "cache", seed=7)
     loader = TimedDataLoader(dataset, batch_size=2, num_workers=num_workers)
-    manager = CheckpointManager(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, dataloader=loader)
+    manager = CheckpointManager(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, dataloader=loader,
+                                replica_every=replica_every)  # fmt: skip
     torch.manual_seed(100 + rank)
     random.seed(200 + rank)
     np.random.seed(300 + rank)

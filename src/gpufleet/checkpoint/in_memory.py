@@ -23,9 +23,13 @@ model, optimizer and loader again and calls ``resume()``, which comes here (:fun
    replacement reaches that step's end it tells the launcher (:func:`replace.report_back`: the
    step R, the steps trained again, the time), which records the recovery.
 
-Anything that does not fit (no source, a rank without boundary R, an FSDP2 model, whose shards
-have no copy on a peer yet) raises :class:`RecoveryError` on every rank alike: the attempt then
-fails as it would have, and the run's retries restart the group from its newest checkpoint.
+An FSDP2 model takes another way (:mod:`gpufleet.checkpoint.shard_copy`): no survivor holds the
+dead rank's shard, so each rank keeps a copy of its neighbour's every ``replica_every`` steps, and
+every rank goes back to the newest such step.
+
+Anything that does not fit (no source, a rank without boundary R, no shard copy every rank holds,
+a DeepSpeed engine) raises :class:`RecoveryError` on every rank alike: the attempt then fails as
+it would have, and the run's retries restart the group from its newest checkpoint.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ class Kept:
     optimizer_steps: int = 0
     #: Boundary step -> {"rng": ..., "dataloader": ...}: the last two.
     snapshots: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: An FSDP2 model's copies of this rank's and its neighbour's shards (:mod:`.shard_copy`).
+    copies: Any = None
 
     @property
     def clean(self) -> bool:
@@ -88,8 +94,9 @@ def _unwrap(model: Any) -> Any:
 
 
 def track(model: Any, optimizers: list[Any], scheduler: Any, stateful: dict[str, Any], dataloader: Any,
-          save_rng: bool) -> Kept | None:  # fmt: skip
-    """Keep a new manager's objects for a replacement (None when the call does not replace ranks)."""
+          save_rng: bool, replica_every: int = 5) -> Kept | None:  # fmt: skip
+    """Keep a new manager's objects for a replacement (None when the call does not replace ranks); an
+    FSDP2 model's shards are also copied to the next rank every ``replica_every`` steps."""
     global _current, _previous
     if not replace.enabled() or model is None or _is_deepspeed(model):
         return None
@@ -99,6 +106,10 @@ def track(model: Any, optimizers: list[Any], scheduler: Any, stateful: dict[str,
     kept = Kept(generation, _unwrap(model), list(optimizers), scheduler, dict(stateful), dataloader, save_rng)
     for opt in kept.optimizers:
         opt.register_step_post_hook(kept.count_step)
+    if _is_sharded(model):
+        from .shard_copy import ShardCopies
+
+        kept.copies = ShardCopies(replica_every)  # a collective: every rank's manager makes its group
     _current = kept
     return kept
 
@@ -123,6 +134,8 @@ def mark_boundary(kept: Kept, step: int, rank: int, world_size: int) -> None:
     target = _boundary_file(rank)
     if target is not None:  # what a replacement of this rank starts from
         save_atomic({**snapshot, "step": step}, target)
+    if kept.copies is not None and kept.copies.due(step):
+        kept.copies.refresh(step, kept)
 
 
 def joining() -> bool:
@@ -151,6 +164,12 @@ def join(manager: Any) -> int:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     previous, _previous = _previous, None
+    if _is_sharded(manager.model):
+        target, lost = _join_sharded(manager, previous, rank, world)
+        if previous is None:
+            _report = (target, lost)
+        _joined = replace.generation()
+        return target
     own: dict[int, dict[str, Any]] = {}
     if previous is not None:  # a survivor
         own = dict(previous.snapshots)
@@ -160,17 +179,13 @@ def join(manager: Any) -> int:
         if left is not None:
             own = {left["step"]: left}
         mine = {"boundaries": sorted(own), "source": None}
-    mine["unsupported"] = ("a DeepSpeed engine's state is not handed over in place" if manager.deepspeed
-                           else "an FSDP2 model's lost shard has no copy on another rank" if _is_sharded(manager.model)
-                           else None)  # fmt: skip
+    mine["unsupported"] = "a DeepSpeed engine's state is not handed over in place" if manager.deepspeed else None
     said: list[Any] = [None] * world
     dist.all_gather_object(said, mine)
     target, source, problem = _plan(said)
     if problem is not None:
         _joined = replace.generation()
-        raise RecoveryError(f"the lost rank could not be replaced in place: {problem}. The attempt fails; with "
-                            "max_retries >= 1 the run restarts every rank from the newest checkpoint "
-                            "(docs/recovery.md says what a replacement needs)")  # fmt: skip
+        raise _cannot(problem)
     assert source is not None
     if previous is None:  # the replacement: it tells the launcher once it completes the next step
         _report = (target, max(max(s["boundaries"]) for s in said) - target)
@@ -182,6 +197,52 @@ def join(manager: Any) -> int:
                      save_rng=manager.save_rng, dataloader=manager.dataloader)  # fmt: skip
     _joined = replace.generation()
     return target
+
+
+def _cannot(problem: str) -> RecoveryError:
+    return RecoveryError(f"the lost rank could not be replaced in place: {problem}. The attempt fails; with "
+                         "max_retries >= 1 the run restarts every rank from the newest checkpoint "
+                         "(docs/recovery.md says what a replacement needs)")  # fmt: skip
+
+
+def _join_sharded(manager: Any, previous: Kept | None, rank: int, world: int) -> tuple[int, int]:
+    """An FSDP2 model's join (:mod:`.shard_copy`): (S, the steps past S some rank had completed)."""
+    global _joined
+    import torch.distributed as dist
+
+    from .shard_copy import restore
+
+    copies = previous.copies if previous is not None else None
+    mine = {**(copies.held() if copies is not None else {"own": [], "peer": []}),
+            "replacement": previous is None, "last": previous.boundary if previous is not None else None}  # fmt: skip
+    said: list[Any] = [None] * world
+    dist.all_gather_object(said, mine)
+    lost = [r for r, s in enumerate(said) if s["replacement"]]
+    holder = (lost[0] + 1) % world if len(lost) == 1 else None
+    steps = set(said[holder]["peer"]) if holder is not None else set()
+    for r, s in enumerate(said):
+        if r not in lost:
+            steps &= set(s["own"])
+    if not steps:
+        _joined = replace.generation()
+        raise _cannot("no step's shard copies are held by every rank (the dead rank's next rank copies its "
+                      "shard every replica_every steps; it died before the first copy, or its neighbour "
+                      "died too)" if len(lost) == 1 else "more than one rank has no shard copy")  # fmt: skip
+    target = max(steps)
+    dead = lost[0]
+    if rank == holder:
+        assert copies is not None
+        dist.send_object_list([copies.peer[target]], dst=dead)
+    if rank == dead:
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=holder)
+        state = box[0]
+    else:
+        assert copies is not None
+        state = copies.own[target]
+    restore(manager, state)
+    last = max((s["last"] for s in said if s["last"] is not None), default=target)
+    return target, max(0, last - target)
 
 
 def _plan(said: list[dict[str, Any]]) -> tuple[int, int | None, str | None]:

@@ -112,6 +112,9 @@ class CheckpointManager:
             are reused from one save to the next (DCP's ``DefaultStager``), which makes the
             stall of an asynchronous save a fast device-to-host copy. Default: on when CUDA is
             available.
+        replica_every: with ``recovery="replace"`` and an FSDP2 model, every this many steps each
+            rank copies its shard to the host memory of the next rank; a replaced rank costs at
+            most this many steps (:mod:`gpufleet.checkpoint.shard_copy`).
 
     Attributes:
         last_save: about the last ``save``: step, whether asynchronous, seconds blocked, ...
@@ -137,11 +140,15 @@ class CheckpointManager:
         process_group: Any = None,
         save_rng: bool = True,
         pinned_staging: bool | None = None,
+        replica_every: int = 5,
     ) -> None:
         if not isinstance(root, (str, os.PathLike)) or str(root) == "":
             raise ValueError(f"root must be a folder path, got {root!r}")
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be an integer >= 1 or None (keep all), got {keep_last!r}")
+        if isinstance(replica_every, bool) or not isinstance(replica_every, int) or replica_every < 1:
+            raise ValueError(f"replica_every must be an integer >= 1 (steps between two copies of an FSDP2 shard "
+                             f"on the next rank), got {replica_every!r}")  # fmt: skip
         self.root = Path(root).expanduser().absolute()
         _check_root(self.root)  # on every rank, before any collective
         self.model = model
@@ -183,7 +190,7 @@ class CheckpointManager:
             except OSError as e:  # no permission, a read-only file system, a file on the way
                 raise CheckpointError(f"the checkpoint folder {self.root} cannot be created: {e.strerror or e}; choose "
                                       "a folder you can write to (root=)") from None  # fmt: skip
-        self._kept = in_memory.track(model, optimizers, scheduler, self.stateful, dataloader, save_rng)
+        self._kept = in_memory.track(model, optimizers, scheduler, self.stateful, dataloader, save_rng, replica_every)
         from .preemption import watch_termination
 
         watch_termination()  # in a Slurm workload, a preemption's SIGTERM becomes a checkpoint (save_if_preempted)
