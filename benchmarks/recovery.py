@@ -26,6 +26,7 @@ one JSON object for the ``replace`` way, with the ``replace-spare`` way's under 
 
     python benchmarks/recovery.py --cpu                      # 2 ranks
     python benchmarks/recovery.py --cpu --workers 4 --rank 0
+    python benchmarks/recovery.py --cpu --strategy fsdp2     # the shard copies (every 5 steps)
 """
 
 from __future__ import annotations
@@ -57,18 +58,32 @@ LOOP = textwrap.dedent(
         x = torch.randn(64, 32, generator=g)
         return x, x.sum(1, keepdim=True).sin()
 
+    def train_step(model, opt, step, rank):
+        import torch
+        x, y = batch(step, rank)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
     def record(out, step, loss):
         out.write(json.dumps({"step": step, "t": time.time(), "pid": os.getpid(), "loss": loss}) + "\\n")
         out.flush()
 
     def params(model):
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def full_params(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().clone() for k, v in sd.items()}
     """
 )
 
 GPUFLEET = LOOP + textwrap.dedent(
     """
-    def train(ckpt_dir, records, steps, hidden, save_every):
+    def train(ckpt_dir, records, steps, hidden, save_every, strategy, replica_every):
         import torch, torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
         from gpufleet import runtime
@@ -76,23 +91,26 @@ GPUFLEET = LOOP + textwrap.dedent(
 
         runtime.setup()
         rank = dist.get_rank()
-        model = DistributedDataParallel(build(hidden))
+        if strategy == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+            model = build(hidden)
+            for layer in model:
+                if any(True for _ in layer.parameters()):
+                    fully_shard(layer)
+            model = fully_shard(model)
+        else:
+            model = DistributedDataParallel(build(hidden))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ckpt = CheckpointManager(ckpt_dir, model=model, optimizer=opt)
+        ckpt = CheckpointManager(ckpt_dir, model=model, optimizer=opt, replica_every=replica_every)
         torch.manual_seed(100 + rank)
         start = ckpt.resume() or 0
         with open(Path(records) / f"rank{rank}.jsonl", "a") as out:
             for step in ckpt.steps(start + 1, steps + 1):
-                x, y = batch(step, rank)
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                record(out, step, loss.item())
+                record(out, step, train_step(model, opt, step, rank))
                 if save_every and step % save_every == 0:
                     ckpt.save(step)
         ckpt.close()
-        return params(model.module)
+        return full_params(model)
     """
 )
 
@@ -122,12 +140,7 @@ TORCHRUN = LOOP + textwrap.dedent(
             for step in range(start + 1, steps + 1):
                 if first and rank == kill_rank and step == kill_at:
                     os.kill(os.getpid(), signal.SIGKILL)  # as step kill_at begins, like gpufleet's fault
-                x, y = batch(step, rank)
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                record(out, step, loss.item())
+                record(out, step, train_step(model, opt, step, rank))
                 if save_every and step % save_every == 0:
                     folder = ckpt_dir / str(step)
                     folder.mkdir(parents=True, exist_ok=True)
@@ -182,7 +195,8 @@ def _gpufleet(work: Path, name: str, args: argparse.Namespace, **options: Any) -
     records.mkdir()
     fn = distributed(train, gpus=args.workers, gpu_type="cpu", tracking=False, timeout=600, live=False, **options)
     save_every = args.save_every if options.get("max_retries") else 0  # only the restart way reads checkpoints
-    params = fn.distributed(str(work / f"ckpt-{name}"), str(records), args.steps, args.hidden, save_every)
+    params = fn.distributed(str(work / f"ckpt-{name}"), str(records), args.steps, args.hidden, save_every,
+                            args.strategy, args.replica_every)  # fmt: skip
     return _records(records, args.workers), params
 
 
@@ -221,6 +235,9 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--hidden", type=int, default=512, help="the MLP's width (512: about 1 M parameters)")
     parser.add_argument("--fail-every", type=int, default=1800, help="steps (at 1 step/s) between two failures")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp",
+                        help="fsdp2: the shards are copied to the next rank every --replica-every steps (no torchrun way)")
+    parser.add_argument("--replica-every", type=int, default=5)
     args = parser.parse_args()
     if not args.cpu:
         parser.error("recovery='replace' runs on CPU workers for now: pass --cpu")
@@ -235,14 +252,15 @@ def main() -> None:
             "replace": _gpufleet(work, "replace", args, recovery="replace", faults=kill),
             "replace-spare": _gpufleet(work, "replace-spare", args, recovery="replace", spares=1, faults=kill),
             "restart": _gpufleet(work, "restart", args, max_retries=1, faults=kill),
-            "torchrun": _torchrun(work, args),
         }
+        if args.strategy == "ddp":
+            ways["torchrun"] = _torchrun(work, args)
         steady = _gpufleet(work, "replace-steady", args, recovery="replace")
         rows = {}
         for name, (records, params) in ways.items():
             steady_s = _step_s(steady[0]) if name.startswith("replace") else base
             rows[name] = _measure(records, params, reference, args, steady_s, base)
-    print(f"one DDP run of {args.steps} steps on {args.workers} CPU workers (gloo), rank {args.rank} SIGKILLed "
+    print(f"one {args.strategy.upper()} run of {args.steps} steps on {args.workers} CPU workers (gloo), rank {args.rank} SIGKILLed "
           f"as step {args.kill_at} begins; checkpoints every {args.save_every} steps (restart); "
           f"step {base * 1000:.1f} ms")  # fmt: skip
     head = ["way", "recovery_s", "steps_lost", "survivors_restarted", "bit_identical", "goodput", "step_overhead_ms"]
@@ -251,10 +269,11 @@ def main() -> None:
         print("  ".join(f"{str(v):>19}" for v in [name, *(row[h] for h in head[1:])]))
     replace = rows["replace"]
     print(f"replace (warm spare / cold) vs restart: recovery {rows['replace-spare']['recovery_s']:.2f} s / "
-          f"{replace['recovery_s']:.2f} s vs {rows['restart']['recovery_s']:.2f} s (torchrun "
-          f"{rows['torchrun']['recovery_s']:.2f} s), "
+          f"{replace['recovery_s']:.2f} s vs {rows['restart']['recovery_s']:.2f} s"
+          + (f" (torchrun {rows['torchrun']['recovery_s']:.2f} s)" if "torchrun" in rows else "") + ", "
           f"{replace['steps_lost']} vs {rows['restart']['steps_lost']} steps lost")  # fmt: skip
-    print(json.dumps({"workers": args.workers, "killed_rank": args.rank, **replace, "with_spare": rows["replace-spare"]}))
+    print(json.dumps({"strategy": args.strategy, "workers": args.workers, "killed_rank": args.rank, **replace,
+                      "with_spare": rows["replace-spare"]}))  # fmt: skip
 
 
 if __name__ == "__main__":

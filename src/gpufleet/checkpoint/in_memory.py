@@ -135,7 +135,7 @@ def mark_boundary(kept: Kept, step: int, rank: int, world_size: int) -> None:
     if target is not None:  # what a replacement of this rank starts from
         save_atomic({**snapshot, "step": step}, target)
     if kept.copies is not None and kept.copies.due(step):
-        kept.copies.refresh(step, kept)
+        kept.copies.refresh(step, kept, _state_of(kept))
 
 
 def joining() -> bool:
@@ -210,7 +210,7 @@ def _join_sharded(manager: Any, previous: Kept | None, rank: int, world: int) ->
     global _joined
     import torch.distributed as dist
 
-    from .shard_copy import restore
+    from .shard_copy import filled
 
     copies = previous.copies if previous is not None else None
     mine = {**(copies.held() if copies is not None else {"own": [], "peer": []}),
@@ -240,7 +240,9 @@ def _join_sharded(manager: Any, previous: Kept | None, rank: int, world: int) ->
     else:
         assert copies is not None
         state = copies.own[target]
-    restore(manager, state)
+    _apply(manager, filled(manager, state))
+    apply_rank_state(state["rank_state"], manager.root, world, world, save_rng=manager.save_rng,
+                     dataloader=manager.dataloader)  # fmt: skip
     last = max((s["last"] for s in said if s["last"] is not None), default=target)
     return target, max(0, last - target)
 

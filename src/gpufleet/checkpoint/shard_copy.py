@@ -22,9 +22,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .rank_state import apply_rank_state, capture_rank_state
+from .rank_state import capture_rank_state
 
-__all__ = ["ShardCopies", "restore", "snapshot"]
+__all__ = ["ShardCopies", "filled", "snapshot"]
 
 #: How many steps apart the copies are refreshed by default.
 DEFAULT_REPLICA_EVERY = 5
@@ -51,21 +51,11 @@ def _local(value: Any) -> Any:
     return value
 
 
-def snapshot(kept: Any, rank: int, world_size: int) -> dict[str, Any]:
-    """This rank's state now, on the host: local shards, scheduler, ``stateful``, RNG and loader."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    state: dict[str, Any] = {}
-    if kept.optimizers:
-        state["model"], state["optimizer"] = get_state_dict(kept.model, kept.optimizers)
-    else:
-        state["model"] = get_model_state_dict(kept.model)
-    state = _local(state)
-    if kept.scheduler is not None:
-        state["scheduler"] = kept.scheduler.state_dict()
-    state["stateful"] = {name: obj.state_dict() for name, obj in kept.stateful.items()}
-    state["rank_state"] = capture_rank_state(rank, world_size, save_rng=kept.save_rng, dataloader=kept.dataloader)
-    return state
+def snapshot(state: dict[str, Any], kept: Any, rank: int, world_size: int) -> dict[str, Any]:
+    """``state`` (the live objects' state dicts) on the host, with this rank's RNG and loader position."""
+    copy = _local(state)
+    copy["rank_state"] = capture_rank_state(rank, world_size, save_rng=kept.save_rng, dataloader=kept.dataloader)
+    return copy
 
 
 def _fill(live: Any, saved: Any) -> Any:
@@ -85,29 +75,19 @@ def _fill(live: Any, saved: Any) -> Any:
     return saved
 
 
-def restore(manager: Any, state: dict[str, Any]) -> None:
-    """Put a :func:`snapshot` (this rank's, or the dead rank's from its neighbour) into the manager's
-    rebuilt model, optimizer, scheduler and ``stateful`` objects; then its RNG and loader position."""
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
+def filled(manager: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """A :func:`snapshot` (this rank's, or the dead rank's from its neighbour) as state dicts of the
+    manager's rebuilt model and optimizer, their sharded tensors holding the copy's local parts,
+    ready for ``set_state_dict`` (``in_memory._apply``)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    out = dict(state)
     if manager.optimizers:
         model_sd, optim_sd = get_state_dict(manager.model, manager.optimizers)  # the optimizer's state made
-        set_state_dict(manager.model, manager.optimizers, model_state_dict=_fill(model_sd, state["model"]),
-                       optim_state_dict=_fill(optim_sd, state["optimizer"]))  # fmt: skip
+        out["model"], out["optimizer"] = _fill(model_sd, state["model"]), _fill(optim_sd, state["optimizer"])
     else:
-        set_model_state_dict(manager.model, _fill(get_model_state_dict(manager.model), state["model"]))
-    if manager.scheduler is not None and "scheduler" in state:
-        manager.scheduler.load_state_dict(state["scheduler"])
-    for name, obj in manager.stateful.items():
-        if name in state.get("stateful", {}):
-            obj.load_state_dict(state["stateful"][name])
-    apply_rank_state(state["rank_state"], manager.root, 1, 1, save_rng=manager.save_rng,
-                     dataloader=manager.dataloader)  # fmt: skip
+        out["model"] = _fill(get_model_state_dict(manager.model), state["model"])
+    return out
 
 
 class ShardCopies:
@@ -127,10 +107,11 @@ class ShardCopies:
     def due(self, step: int) -> bool:
         return step > 0 and step % self.every == 0
 
-    def refresh(self, step: int, kept: Any) -> None:
-        """At the end of step ``step``: copy this rank's state, and send it to the next rank meanwhile."""
+    def refresh(self, step: int, kept: Any, state: dict[str, Any]) -> None:
+        """At the end of step ``step``: copy this rank's ``state`` (model, optimizer, scheduler, ``stateful``),
+        and send it to the next rank meanwhile."""
         self.wait()
-        copy = snapshot(kept, self.rank, self.world_size)
+        copy = snapshot(state, kept, self.rank, self.world_size)
         self.own[step] = copy
         self._thread = threading.Thread(target=self._exchange, args=(step, copy), name="gpufleet-shard-copy",
                                         daemon=True)  # fmt: skip
