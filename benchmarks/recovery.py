@@ -10,7 +10,7 @@ runs four ways on CPU workers (gloo):
 - ``restart``: gpufleet today, ``max_retries=1``, a checkpoint every ``--save-every`` steps, the same
   kill: every rank restarts and resumes from the newest checkpoint, which is also what the other
   launchers do;
-- ``torchrun``: plain ``torchrun --max-restarts=1`` (c10d rendezvous on 127.0.0.1) on the same loop
+- ``torchrun``: plain ``torchrun --max-restarts=1`` (its rendezvous on 127.0.0.1) on the same loop
   with its own ``torch.save`` checkpoints (model, optimizer, each rank's RNG) every
   ``--save-every`` steps; the rank SIGKILLs itself as step ``--kill-at`` begins.
 
@@ -114,6 +114,9 @@ GPUFLEET = LOOP + textwrap.dedent(
     """
 )
 
+#: How long a torchrun try may take (a run takes about 10 s on 2 cores).
+TORCHRUN_LIMIT_S = 120
+
 TORCHRUN = LOOP + textwrap.dedent(
     """
     def main():
@@ -155,30 +158,56 @@ TORCHRUN = LOOP + textwrap.dedent(
 )
 
 
-def _torchrun(work: Path, args: argparse.Namespace) -> tuple[list[list[dict]], list[dict]]:
-    """The same run under plain ``torchrun --max-restarts=1`` with its own checkpoints (loopback only)."""
+def _torchrun(work: Path, args: argparse.Namespace) -> tuple[list[list[dict]] | None, list[dict] | None, int, str]:
+    """The same run under plain ``torchrun --max-restarts=1`` with its own checkpoints (loopback only),
+    and how many tries failed first: its restart round sometimes cannot connect its gloo group
+    ("connectFullMesh failed ... Connection refused") or never rendezvouses (a try is stopped after
+    ``TORCHRUN_LIMIT_S``); at most five tries. Records and parameters None when every try failed,
+    with the last one's output."""
+    import shutil
+    import signal
     import socket
     import subprocess
 
+    import psutil
     import torch
 
     script = work / "torchrun_loop.py"
     script.write_text(TORCHRUN)
     records = work / "torchrun"
-    records.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={args.workers}",
-               "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", str(script),
-               str(work / "ckpt-torchrun"), str(records), str(args.steps), str(args.hidden), str(args.save_every),
-               str(args.rank), str(args.kill_at)]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"torchrun failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    params = [torch.load(records / f"params{r}.pt") for r in range(args.workers)]
-    return _records(records, args.workers), params
+    failed, last = 0, ""
+    for _ in range(5):
+        shutil.rmtree(records, ignore_errors=True)
+        shutil.rmtree(work / "ckpt-torchrun", ignore_errors=True)
+        records.mkdir()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={args.workers}",
+                   "--max-restarts=1", "--master-addr=127.0.0.1", f"--master-port={port}", str(script),
+                   str(work / "ckpt-torchrun"), str(records), str(args.steps), str(args.hidden), str(args.save_every),
+                   str(args.rank), str(args.kill_at)]  # fmt: skip
+        log = work / "torchrun.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=TORCHRUN_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            failed, last = failed + 1, f"no end within {TORCHRUN_LIMIT_S} s"
+            continue
+        finally:  # a worker torchrun left running after a failed round (its own session) must not load the next
+            for leftover in psutil.process_iter(["cmdline"]):
+                if str(script) in (leftover.info["cmdline"] or []):
+                    leftover.kill()
+        if proc.returncode != 0:
+            failed, last = failed + 1, log.read_text()[-8000:]
+            continue
+        params = [torch.load(records / f"params{r}.pt") for r in range(args.workers)]
+        return _records(records, args.workers), params, failed, ""
+    return None, None, failed, last
 
 
 def _records(folder: Path, workers: int) -> list[list[dict[str, Any]]]:
@@ -253,8 +282,11 @@ def main() -> None:
             "replace-spare": _gpufleet(work, "replace-spare", args, recovery="replace", spares=1, faults=kill),
             "restart": _gpufleet(work, "restart", args, max_retries=1, faults=kill),
         }
+        torchrun_failed, torchrun_error = 0, ""
         if args.strategy == "ddp":
-            ways["torchrun"] = _torchrun(work, args)
+            records, params, torchrun_failed, torchrun_error = _torchrun(work, args)
+            if records is not None and params is not None:
+                ways["torchrun"] = (records, params)
         steady = _gpufleet(work, "replace-steady", args, recovery="replace")
         rows = {}
         for name, (records, params) in ways.items():
@@ -272,6 +304,12 @@ def main() -> None:
           f"{replace['recovery_s']:.2f} s vs {rows['restart']['recovery_s']:.2f} s"
           + (f" (torchrun {rows['torchrun']['recovery_s']:.2f} s)" if "torchrun" in rows else "") + ", "
           f"{replace['steps_lost']} vs {rows['restart']['steps_lost']} steps lost")  # fmt: skip
+    if torchrun_error:
+        print(f"torchrun: every one of its {torchrun_failed} tries failed in its restart round; the last said:\n"
+              + "\n".join(line for line in torchrun_error.splitlines() if "Error" in line or "failed with" in line)[-1500:])  # fmt: skip
+    elif torchrun_failed:
+        print(f"torchrun: {torchrun_failed} tries before the one measured failed in their restart round (gloo "
+              f"could not connect its group, or no end within {TORCHRUN_LIMIT_S} s)")  # fmt: skip
     print(json.dumps({"strategy": args.strategy, "workers": args.workers, "killed_rank": args.rank, **replace,
                       "with_spare": rows["replace-spare"]}))  # fmt: skip
 
