@@ -193,3 +193,15 @@ def test_a_calls_recoveries_are_kept_in_its_attempt_row_and_shown_by_get(store: 
     assert (f"recovery 1 of attempt 1 at {fmt_time(1.0)}: rank 1 (SIGKILL) is back: every rank went on after step 29, "
             "2.25 s after the death; 0 steps trained again (pid 1001 -> 4242)\n") in shown.getvalue()
     assert json.loads(json.dumps(run.to_dict()))["attempts"][0]["recoveries"] == [stored]  # what -o json prints
+
+
+def test_a_stored_recovery_that_is_not_one_is_shown_as_it_is_and_breaks_no_view() -> None:
+    from gpufleet.runs.formats import recovery_lines
+
+    broken = {"attempt": 1, "number": 1, "rank": 1, "cause": "SIGKILL", "outcome": "recovered", "died_at": "soon",
+              "seconds_lost": None}  # fmt: skip
+    assert recovery_lines([{"x": 1}, broken, "text"]) == [
+        "recovery (not a record gpufleet writes): {'x': 1}",
+        f"recovery (not a record gpufleet writes): {broken!r}",
+        "recovery (not a record gpufleet writes): 'text'",
+    ]

@@ -31,9 +31,10 @@ def recovery_lines(recoveries: list[dict[str, Any]]) -> list[str]:
     lines = []
     for stored in recoveries:
         record = Recovery.from_dict(stored)
-        if record is None:
-            lines.append(f"recovery: {stored!r}")
-            continue
-        lines.append(f"recovery {record.number} of attempt {record.attempt} at {fmt_time(record.died_at)}: "
-                     f"{record.describe()}")
+        try:
+            line = None if record is None else (f"recovery {record.number} of attempt {record.attempt} at "
+                                                f"{fmt_time(record.died_at)}: {record.describe()}")  # fmt: skip
+        except (TypeError, ValueError, OverflowError):  # a field of the wrong type
+            line = None
+        lines.append(line or f"recovery (not a record gpufleet writes): {stored!r}")
     return lines

@@ -31,7 +31,7 @@ from ...spec import (
     local_slots,
     package_parent,
 )
-from ...store import Recovered, recovered_key
+from ...store import Notice, Recovered, host, notice_key, recovered_key
 from ...worker import LOOPBACK_STORE_ENV
 from ..base import Unit
 from .engine import LocalEngine
@@ -144,8 +144,6 @@ class LocalWorkerGroup(WorkerGroup):
                 self._procs.append(proc)
                 self._pumps.append(Pump(proc, RankLog(rank, self.run_dir.log(rank), self._logs)))
             if self.replaces_ranks:  # after the start: the ranks' clients wait for it while they import torch
-                from ...store import host
-
                 self._store = host(self.rendezvous.port, self.spec.world_size)
                 self._start_spares()
         except BaseException:
@@ -173,8 +171,6 @@ class LocalWorkerGroup(WorkerGroup):
         """A new process takes rank ``rank`` in the group's next generation (a warm spare, if one is
         alive, else one started now); the survivors hear of it through the store
         (:mod:`gpufleet.launch.replace`) and join that generation beside it."""
-        from ...store import Notice, notice_key
-
         assert self._store is not None and self.rendezvous is not None
         self._failures.pop(rank, None)
         self.replacements[rank] = self.replacements.get(rank, 0) + 1
@@ -200,8 +196,6 @@ class LocalWorkerGroup(WorkerGroup):
         return Replacement(proc.pid, warm=spare is not None)
 
     def refuse_replacement(self, rank: int, cause: str, reason: str) -> None:
-        from ...store import Notice, notice_key
-
         if self._store is not None:
             notice = Notice("stop", self._generation, rank, cause, reason)
             self._store.set(notice_key(notice.generation), notice.to_bytes())
