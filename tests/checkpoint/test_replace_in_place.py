@@ -142,6 +142,44 @@ def test_a_second_death_of_the_same_slot_falls_back_to_restarting_every_rank(
             assert torch_equal(out[rank]["params"][name], value), f"rank {rank}: {name} differs"
 
 
+def test_no_process_for_the_slot_falls_back_to_restarting_every_rank_and_says_why(
+    tmp_path: Path, data_dir: Path, reference: tuple[list[dict], list[list[dict]]], capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The system refuses the replacement's process (fork's EAGAIN at a process limit): the rank's
+    slot cannot be filled, so the attempt ends and the retry restarts every rank."""
+    from gpufleet.launch.engines.local.group import LocalWorkerGroup
+
+    start_rank = LocalWorkerGroup._start_rank
+
+    def no_process_for_a_replacement(self: LocalWorkerGroup, rank: int, extra: dict[str, str]) -> Any:
+        if extra:  # a replacement (the first start of each rank has no extra variables)
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return start_rank(self, rank, extra)
+
+    monkeypatch.setattr(LocalWorkerGroup, "_start_rank", no_process_for_a_replacement)
+    records = tmp_path / "records"
+    records.mkdir()
+    fn = distributed(train_replaceable, gpus=2, gpu_type="cpu", timeout=240, tracking=False, recovery="replace",
+                     max_retries=1, faults=["kill:rank=1:step=30"])  # fmt: skip
+    out = fn.distributed(str(tmp_path / "ckpt"), str(data_dir), TOTAL, str(records))
+    err = capfd.readouterr().err
+    assert ("rank 1 failed (SIGKILL); not replaced in place: no process could take its place "
+            "(BlockingIOError: [Errno 11] Resource temporarily unavailable)") in err  # fmt: skip
+    assert "replaced in place by" not in err
+    assert [o["attempt"] for o in out] == ["2", "2"]  # the retry restarted every rank
+    second, first_run = RunStore().list(states=None, limit=2, filters={"kind": "call"})  # a call's run per attempt
+    assert (second.state, first_run.state) == ("SUCCESS", "FAILED")
+    (first,) = first_run.attempts
+    assert [(r["rank"], r["outcome"]) for r in first.recoveries] == [(1, "refused")]
+    assert "no process could take its place" in first.recoveries[0]["reason"]
+    for rank in range(2):
+        last = [r for r in read_records(str(records), rank) if r["pid"] == out[rank]["pid"]]
+        assert [r["loss"] for r in last] == [r["loss"] for r in reference[1][rank]][-len(last):]
+        for name, value in reference[0][rank]["params"].items():
+            assert torch_equal(out[rank]["params"][name], value), f"rank {rank}: {name} differs"
+
+
 def test_a_cancel_while_the_replacement_starts_ends_the_run_and_leaves_nothing(tmp_path: Path, data_dir: Path) -> None:
     from gpufleet.errors import RunCanceledError
 

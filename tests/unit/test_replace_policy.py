@@ -102,6 +102,25 @@ def test_a_raise_and_a_second_death_are_refused_and_end_the_attempt(tmp_path, ca
     assert "not replaced in place: its slot already failed" in capfd.readouterr().err
 
 
+class NoProcessGroup(ReplacingGroup):
+    def replace(self, rank: int, cause: str) -> Replacement:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+
+def test_a_slot_no_process_can_take_is_refused_with_the_reason_and_the_retry_restarts(tmp_path, capfd) -> None:
+    killed = [[_killed(1, 1.0)]]
+    hooks = Recoveries()
+    controller, groups, _ = make(tmp_path, [lambda tmp, clock: NoProcessGroup(tmp, clock, killed),
+                                            lambda tmp, clock: ReplacingGroup(tmp, clock, [[ok(0, "a"), ok(1, "b")]])],
+                                 recovery="replace", max_retries=1, callbacks=[hooks])  # fmt: skip
+    assert controller.run() == ["a", "b"]
+    assert controller.state == SUCCESS and controller.attempt == 2
+    why = "no process could take its place (BlockingIOError: [Errno 11] Resource temporarily unavailable)"
+    assert groups[0].refused == [(1, "SIGKILL", why)]
+    assert [(r.outcome, r.reason) for r in hooks.seen] == [("refused", why)]
+    assert f"rank 1 failed (SIGKILL); not replaced in place: {why}" in capfd.readouterr().err
+
+
 class Recoveries(ControllerCallback):
     def __init__(self) -> None:
         self.seen: list = []

@@ -419,11 +419,16 @@ class Controller:
         old_pid = group.pids[first.rank] if first.rank < len(group.pids) else None
         number = sum(1 for r in self.recoveries if r.attempt == self.attempt) + 1
         record = Recovery(self.attempt, number, first.rank, cause, REPLACING, first.time, old_pid=old_pid)
+        if why_not is None:
+            try:
+                new = group.replace(first.rank, cause)
+            except Exception as e:  # noqa: BLE001 - no process can take the slot: the attempt ends as without recovery
+                logger.debug("run %s: rank %d could not be replaced", group.run_id, first.rank, exc_info=True)
+                why_not = f"no process could take its place ({type(e).__name__}: {e})"
         if why_not is not None:
             group.refuse_replacement(first.rank, cause, why_not)
             self._recovery(group, dataclasses.replace(record, outcome=REFUSED, reason=why_not))
             return False
-        new = group.replace(first.rank, cause)
         self._recovery(group, dataclasses.replace(record, new_pid=new.pid, warm=new.warm,
                                                   generation=sum(replacements.values())))  # fmt: skip
         return True

@@ -170,27 +170,36 @@ class LocalWorkerGroup(WorkerGroup):
     def replace(self, rank: int, cause: str) -> Replacement:
         """A new process takes rank ``rank`` in the group's next generation (a warm spare, if one is
         alive, else one started now); the survivors hear of it through the store
-        (:mod:`gpufleet.launch.replace`) and join that generation beside it."""
+        (:mod:`gpufleet.launch.replace`) and join that generation beside it.
+
+        The process is started first: when none can be (the system refuses a new process, the run
+        folder is gone), the error is raised with nothing changed, and the controller falls back
+        to ending the attempt (:meth:`gpufleet.launch.controller.Controller._replaced`)."""
         assert self._store is not None and self.rendezvous is not None
-        self._failures.pop(rank, None)
-        self.replacements[rank] = self.replacements.get(rank, 0) + 1
-        notice = Notice("replace", self._generation, rank, cause)
-        self._generation += 1
-        self._store.set(notice_key(notice.generation), notice.to_bytes())  # the survivors leave the old group now
-        self._pumps[rank].close()  # the dead process's last lines, before the new one's
-        incarnation = self.replacements[rank] + 1
+        generation = self._generation + 1
+        incarnation = self.replacements.get(rank, 0) + 2
         log = RankLog(rank, self.run_dir.log(rank), self._logs)
-        spare = None
-        if self.spares is not None:
-            env = self._env(rank, self.rendezvous)
-            spare = self.spares.take(self._store, rank, self._generation, incarnation, env, log)
-        if spare is not None:
-            proc, pump = spare.proc, spare.pump
-        else:
-            extra = {envcontract.GENERATION: str(self._generation), envcontract.INCARNATION: str(incarnation)}
-            proc = self._start_rank(rank, extra)
-            pump = Pump(proc, log)
-        self._rejoining.add(self._generation)
+        try:
+            spare = None
+            if self.spares is not None:
+                env = self._env(rank, self.rendezvous)
+                spare = self.spares.take(self._store, rank, generation, incarnation, env, log)
+            if spare is not None:
+                proc, pump = spare.proc, spare.pump
+            else:
+                extra = {envcontract.GENERATION: str(generation), envcontract.INCARNATION: str(incarnation)}
+                proc = self._start_rank(rank, extra)
+                pump = Pump(proc, log)
+        except BaseException:
+            log.close()
+            raise
+        self._failures.pop(rank, None)
+        self.replacements[rank] = incarnation - 1
+        notice = Notice("replace", self._generation, rank, cause)
+        self._generation = generation
+        self._store.set(notice_key(notice.generation), notice.to_bytes())  # the survivors leave the old group now
+        self._pumps[rank].close()  # the dead process's last lines
+        self._rejoining.add(generation)
         self._procs[rank] = proc
         self._pumps[rank] = pump
         return Replacement(proc.pid, warm=spare is not None)
