@@ -29,15 +29,15 @@ def make_data(directory: Path, num_files: int = 6, per_file: int = 5) -> int:
     return sample_id
 
 
-def build_model(seed: int = 0) -> Any:
+def build_model(seed: int = 0, hidden: int = 16) -> Any:
     import torch
 
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(NUM_FEATURES, 16),
+        torch.nn.Linear(NUM_FEATURES, hidden),
         torch.nn.ReLU(),
         torch.nn.Dropout(0.2),  # uses torch's RNG: resume must restore it
-        torch.nn.Linear(16, 1),
+        torch.nn.Linear(hidden, 1),
     )
 
 
@@ -374,12 +374,13 @@ def _resume_into_fresh_objects(ckpt_dir: str, strategy: str) -> dict[str, Any]:
 
 def train_replaceable(ckpt_dir: str, data_dir: str, total_steps: int, record_dir: str, *, num_workers: int = 0,
                       raise_at: int | None = None, use_steps: bool = True, strategy: str = "ddp",
-                      replica_every: int = 5) -> dict[str, Any]:  # fmt: skip
+                      replica_every: int = 5, hidden: int = 16) -> dict[str, Any]:  # fmt: skip
     """The loop of docs/recovery.md: like :func:`train`, over ``manager.steps(...)``; each step's
     record (step, loss, sample ids, pid) is appended to ``record_dir/rank{R}.jsonl`` as it ends, since
     a rank replaced in place runs this function again. ``raise_at``: rank 1 raises at that step;
     ``use_steps=False``: a plain ``range`` loop, which tells gpufleet nothing of where steps end;
-    ``strategy``: "ddp" or "fsdp2" (whose shards are copied to the next rank every ``replica_every`` steps)."""
+    ``strategy``: "ddp" or "fsdp2" (whose shards are copied to the next rank every ``replica_every`` steps);
+    ``hidden``: the model's width."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -390,7 +391,7 @@ def train_replaceable(ckpt_dir: str, data_dir: str, total_steps: int, record_dir
 
     runtime.setup()
     rank = dist.get_rank()
-    model = wrap(build_model(), strategy)
+    model = wrap(build_model(hidden=hidden), strategy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
     dataset = FileDataset(data_dir, pattern="*.pt", cache_dir=Path(ckpt_dir).parent / "cache", seed=7)

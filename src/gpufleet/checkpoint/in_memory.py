@@ -35,12 +35,15 @@ it would have, and the run's retries restart the group from its newest checkpoin
 from __future__ import annotations
 
 import os
+import sys
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..launch import replace
 from ..launch.node import envcontract
+from . import ddp_buckets
 from .errors import CheckpointError
 from .rank_state import apply_rank_state, capture_rank_state, save_atomic
 
@@ -70,6 +73,9 @@ class Kept:
     snapshots: dict[int, dict[str, Any]] = field(default_factory=dict)
     #: An FSDP2 model's copies of this rank's and its neighbour's shards (:mod:`.shard_copy`).
     copies: Any = None
+    #: The DDP wrapper (weakly: the old group must not outlive it) and the buckets it rebuilt (:mod:`.ddp_buckets`).
+    wrapper: Any = None
+    buckets: list[list[int]] | None = None
 
     @property
     def clean(self) -> bool:
@@ -104,6 +110,9 @@ def track(model: Any, optimizers: list[Any], scheduler: Any, stateful: dict[str,
     if _current is not None and _current.generation < generation:
         _previous = _current  # the survivor's state of the step its peer died in
     kept = Kept(generation, _unwrap(model), list(optimizers), scheduler, dict(stateful), dataloader, save_rng)
+    if ddp_buckets.is_ddp(model):
+        kept.wrapper = weakref.ref(model)
+        kept.buckets = _previous.buckets if _previous is not None else None  # the same function's model
     for opt in kept.optimizers:
         opt.register_step_post_hook(kept.count_step)
     if _is_sharded(model):
@@ -136,6 +145,9 @@ def mark_boundary(kept: Kept, step: int, rank: int, world_size: int) -> None:
         save_atomic({**snapshot, "step": step}, target)
     if kept.copies is not None and kept.copies.due(step):
         kept.copies.refresh(step, kept, _state_of(kept))
+    if kept.buckets is None and kept.wrapper is not None:
+        wrapper = kept.wrapper()
+        kept.buckets = ddp_buckets.layout_of(wrapper) if wrapper is not None else None
 
 
 def joining() -> bool:
@@ -173,12 +185,13 @@ def join(manager: Any) -> int:
     own: dict[int, dict[str, Any]] = {}
     if previous is not None:  # a survivor
         own = dict(previous.snapshots)
-        mine = {"boundaries": sorted(own), "source": previous.boundary if previous.clean else None}
+        mine = {"boundaries": sorted(own), "source": previous.boundary if previous.clean else None,
+                "buckets": previous.buckets}
     else:  # the replacement
         left = _file_boundary(rank)
         if left is not None:
             own = {left["step"]: left}
-        mine = {"boundaries": sorted(own), "source": None}
+        mine = {"boundaries": sorted(own), "source": None, "buckets": None}
     mine["unsupported"] = "a DeepSpeed engine's state is not handed over in place" if manager.deepspeed else None
     said: list[Any] = [None] * world
     dist.all_gather_object(said, mine)
@@ -193,6 +206,15 @@ def join(manager: Any) -> int:
     del previous
     state = _broadcast_state(state, source)
     _apply(manager, state)
+    if ddp_buckets.is_ddp(manager.model):  # the run's buckets, so that the sums add up in the same order
+        layout = next((s["buckets"] for s in said if s["buckets"]), None)
+        why_not = ddp_buckets.lay_out(manager.model, layout)
+        if why_not is None and _current is not None:
+            _current.buckets = layout
+        elif why_not is not None and rank == source:
+            print(f"gpufleet: rank {rank}: DDP's buckets start as a new wrapper's, not as the run's: {why_not}; "
+                  "the parameters may differ from an uninterrupted run's in their last bits", file=sys.stderr,
+                  flush=True)  # fmt: skip
     apply_rank_state(own[target], _boundary_file(rank) or Path("."), world, world,
                      save_rng=manager.save_rng, dataloader=manager.dataloader)  # fmt: skip
     _joined = replace.generation()
