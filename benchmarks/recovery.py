@@ -162,7 +162,7 @@ def _torchrun(work: Path, args: argparse.Namespace) -> tuple[list[list[dict]] | 
     """The same run under plain ``torchrun --max-restarts=1`` with its own checkpoints (loopback only),
     and how many tries failed first: its restart round sometimes cannot connect its gloo group
     ("connectFullMesh failed ... Connection refused") or never rendezvouses (a try is stopped after
-    ``TORCHRUN_LIMIT_S``); at most five tries. Records and parameters None when every try failed,
+    ``TORCHRUN_LIMIT_S``); at most ``--torchrun-tries`` tries. Records and parameters None when every try failed,
     with the last one's output."""
     import shutil
     import signal
@@ -176,7 +176,7 @@ def _torchrun(work: Path, args: argparse.Namespace) -> tuple[list[list[dict]] | 
     script.write_text(TORCHRUN)
     records = work / "torchrun"
     failed, last = 0, ""
-    for _ in range(5):
+    for _ in range(args.torchrun_tries):
         shutil.rmtree(records, ignore_errors=True)
         shutil.rmtree(work / "ckpt-torchrun", ignore_errors=True)
         records.mkdir()
@@ -267,6 +267,8 @@ def main() -> None:
     parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp",
                         help="fsdp2: the shards are copied to the next rank every --replica-every steps (no torchrun way)")
     parser.add_argument("--replica-every", type=int, default=5)
+    parser.add_argument("--torchrun-tries", type=int, default=5,
+                        help="tries of the plain torchrun way, whose restart round often fails (0: leave it out)")
     args = parser.parse_args()
     if not args.cpu:
         parser.error("recovery='replace' runs on CPU workers for now: pass --cpu")
@@ -283,7 +285,7 @@ def main() -> None:
             "restart": _gpufleet(work, "restart", args, max_retries=1, faults=kill),
         }
         torchrun_failed, torchrun_error = 0, ""
-        if args.strategy == "ddp":
+        if args.strategy == "ddp" and args.torchrun_tries > 0:
             records, params, torchrun_failed, torchrun_error = _torchrun(work, args)
             if records is not None and params is not None:
                 ways["torchrun"] = (records, params)

@@ -20,7 +20,6 @@ from tests.checkpoint.helpers import torch_equal
 from tests.checkpoint.training import read_records, train_replaceable
 
 TOTAL = 40
-WIDE = 60_000  # 1.4 MB of parameters: DDP's rebuilt buckets are two (the first 1 MB), its first one
 
 
 def _run(tmp: Path, data_dir: Path, name: str, **options: Any) -> tuple[list[dict], list[list[dict]]]:
@@ -220,34 +219,58 @@ def test_a_timeout_while_the_replacement_hangs_ends_the_run_timed_out_and_leaves
     assert recovery.outcome == "failed" and "DistributedTimeoutError" in recovery.reason
 
 
+def _run4(tmp: Path, data_dir: Path, name: str, **options: Any) -> tuple[list[dict], list[list[dict]]]:
+    """4 ranks of a model whose DDP buckets are two (1.4 MB of parameters: the first bucket 1 MB)."""
+    records = tmp / name
+    records.mkdir()
+    save_every = options.pop("save_every", 0)
+    fn = distributed(train_replaceable, gpus=4, gpu_type="cpu", timeout=240, tracking=False, **options)
+    with pytest.warns(RuntimeWarning, match="4 CPU workers"):
+        out = fn.distributed(str(tmp / f"ckpt-{name}"), str(data_dir), TOTAL, str(records), hidden=60_000,
+                             save_every=save_every)  # fmt: skip
+    return out, [read_records(str(records), rank) for rank in range(4)]
+
+
+@pytest.fixture(scope="module")
+def reference4(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> tuple[list[dict], list[list[dict]]]:
+    return _run4(tmp_path_factory.mktemp("reference4"), data_dir, "reference")
+
+
+def _assert_same4(reference: tuple[list[dict], list[list[dict]]], out: list[dict], records: list[list[dict]]) -> None:
+    ref_out, ref_records = reference
+    for rank in range(4):
+        last = [r for r in records[rank] if r["pid"] == out[rank]["pid"]]
+        assert [r["loss"] for r in last] == [r["loss"] for r in ref_records[rank]][-len(last):], f"rank {rank}: losses"
+        for name, value in ref_out[rank]["params"].items():
+            assert torch_equal(out[rank]["params"][name], value), f"rank {rank}: {name} differs"
+
+
 def test_four_ranks_lose_rank_2_and_every_survivor_goes_on_in_its_own_process_bit_for_bit(
-    tmp_path: Path, data_dir: Path
+    tmp_path: Path, data_dir: Path, reference4: tuple[list[dict], list[list[dict]]]
 ) -> None:
     """Ranks not connected to the dead one learn of it too (their neighbours shut the old group's
     connections) and all three survivors join the replacement. With four ranks the order of the
     all-reduce's sums depends on DDP's buckets: the new wrappers take the run's, so the parameters
     equal the uninterrupted run's bit for bit."""
-    runs = {}
-    for name, faults in (("reference", []), ("killed", ["kill:rank=2:step=30"])):
-        records = tmp_path / name
-        records.mkdir()
-        fn = distributed(train_replaceable, gpus=4, gpu_type="cpu", timeout=240, tracking=False, recovery="replace",
-                         faults=faults)  # fmt: skip
-        with pytest.warns(RuntimeWarning, match="4 CPU workers"):
-            out = fn.distributed(str(tmp_path / f"ckpt-{name}"), str(data_dir), TOTAL, str(records),
-                                 hidden=WIDE)  # fmt: skip
-        runs[name] = out, [read_records(str(records), rank) for rank in range(4)]
-    out, records = runs["killed"]
-    ref_out, ref_records = runs["reference"]
+    out, records = _run4(tmp_path, data_dir, "killed", recovery="replace", faults=["kill:rank=2:step=30"])
     assert [o["attempt"] for o in out] == ["1"] * 4
     for rank in range(4):
-        steps = records[rank]
-        assert [r["step"] for r in steps] == list(range(1, TOTAL + 1))  # every step once: none lost, none redone
-        pids = {r["pid"] for r in steps}
+        assert [r["step"] for r in records[rank]] == list(range(1, TOTAL + 1))  # every step once: none lost or redone
+        pids = {r["pid"] for r in records[rank]}
         assert pids == {out[rank]["pid"]} if rank != 2 else len(pids) == 2
-        assert [r["loss"] for r in steps] == [r["loss"] for r in ref_records[rank]], f"rank {rank}: losses"
-        for name, value in ref_out[rank]["params"].items():
-            assert torch_equal(out[rank]["params"][name], value), f"rank {rank}: {name} differs"
+    _assert_same4(reference4, out, records)
+
+
+def test_four_ranks_restarted_from_a_checkpoint_end_bit_for_bit_too(
+    tmp_path: Path, data_dir: Path, reference4: tuple[list[dict], list[list[dict]]]
+) -> None:
+    """The whole-group retry resumes from the checkpoint of step 20, whose marker keeps the run's DDP
+    buckets: the new wrappers sum step 21's gradients as the uninterrupted run did."""
+    out, records = _run4(tmp_path, data_dir, "restarted", max_retries=1, faults=["kill:rank=2:step=30"],
+                         save_every=10)  # fmt: skip
+    assert [o["attempt"] for o in out] == ["2"] * 4
+    assert [r["step"] for r in records[0] if r["pid"] == out[0]["pid"]] == list(range(21, TOTAL + 1))
+    _assert_same4(reference4, out, records)
 
 
 def test_a_loop_that_does_not_mark_its_steps_falls_back_and_says_why(tmp_path: Path, data_dir: Path) -> None:

@@ -374,13 +374,13 @@ def _resume_into_fresh_objects(ckpt_dir: str, strategy: str) -> dict[str, Any]:
 
 def train_replaceable(ckpt_dir: str, data_dir: str, total_steps: int, record_dir: str, *, num_workers: int = 0,
                       raise_at: int | None = None, use_steps: bool = True, strategy: str = "ddp",
-                      replica_every: int = 5, hidden: int = 16) -> dict[str, Any]:  # fmt: skip
+                      replica_every: int = 5, hidden: int = 16, save_every: int = 0) -> dict[str, Any]:  # fmt: skip
     """The loop of docs/recovery.md: like :func:`train`, over ``manager.steps(...)``; each step's
     record (step, loss, sample ids, pid) is appended to ``record_dir/rank{R}.jsonl`` as it ends, since
     a rank replaced in place runs this function again. ``raise_at``: rank 1 raises at that step;
     ``use_steps=False``: a plain ``range`` loop, which tells gpufleet nothing of where steps end;
     ``strategy``: "ddp" or "fsdp2" (whose shards are copied to the next rank every ``replica_every`` steps);
-    ``hidden``: the model's width."""
+    ``hidden``: the model's width; ``save_every``: a checkpoint every that many steps (0: none)."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -416,6 +416,8 @@ def train_replaceable(ckpt_dir: str, data_dir: str, total_steps: int, record_dir
             record = {"step": step, **train_step(model, optimizer, scheduler, batch), "pid": os.getpid()}
             out.write(json.dumps(record) + "\n")
             out.flush()
+            if save_every and step % save_every == 0:
+                manager.save(step)
     manager.close()
     return {"rank": rank, "params": full_params(model), "pid": os.getpid(), "attempt": os.environ.get("GPUFLEET_ATTEMPT")}
 

@@ -1,15 +1,16 @@
-"""A new DDP wrapper's gradient buckets laid out as the run's were, for a rank replaced in place.
+"""A new DDP wrapper's gradient buckets laid out as the run's were: after a rank is replaced in
+place, and after a resume from a checkpoint.
 
 DDP all-reduces gradients in buckets. A new ``DistributedDataParallel`` puts every parameter in one
 bucket for its first step, then rebuilds its buckets in the order the gradients became ready
-(about 25 MB each, the first 1 MB). After a replacement every rank builds a new wrapper, so the
-first step after the join would reduce one bucket where the uninterrupted run reduced several.
+(about 25 MB each, the first 1 MB). After a replacement (or a restart) every rank builds a new
+wrapper, so the first step after it would reduce one bucket where the uninterrupted run reduced several.
 With more than two ranks the ring all-reduce then adds each element's contributions in another
 order, and the parameters differ in their last bits from the run's.
 
 So each survivor remembers the layout its wrapper rebuilt (:func:`layout_of`, read once from DDP's
-own record of it) and, at the join, every rank's new wrapper gets that layout before its first
-step (:func:`lay_out`): its reducer is made again as DDP makes it when it is unpickled, with the
+own record of it), and a checkpoint's marker keeps it (:func:`parse` reads it back); at the join,
+or the resume, every rank's new wrapper gets that layout before its first step (:func:`lay_out`): its reducer is made again as DDP makes it when it is unpickled, with the
 given buckets. The wrapper still rebuilds after that step from the ready order, which gives the
 same layout. Where the wrapper is one this cannot redo faithfully (mixed precision, a comm hook,
 the Python reducer) it is left as it is and the reason is returned: the run goes on, equal to the
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["is_ddp", "lay_out", "layout_of"]
+__all__ = ["is_ddp", "lay_out", "layout_of", "parse"]
 
 Layout = list[list[int]]
 
@@ -46,6 +47,15 @@ def layout_of(wrapper: Any) -> Layout | None:
         return [[int(i) for i in bucket.split()] for bucket in text.split(",")]
     except ValueError:
         return None
+
+
+def parse(value: Any) -> Layout | None:
+    """A layout read back from a checkpoint's marker: lists of whole numbers, else None (not used)."""
+    if not isinstance(value, list) or not value:
+        return None
+    if not all(isinstance(b, list) and b and all(type(i) is int and i >= 0 for i in b) for b in value):
+        return None
+    return [list(b) for b in value]
 
 
 def lay_out(wrapper: Any, layout: Layout | None) -> str | None:

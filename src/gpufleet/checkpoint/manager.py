@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..launch.progress import section
-from . import in_memory, layout
+from . import ddp_buckets, in_memory, layout
 from .async_save import PendingSave, make_stager
 from .deepspeed_engine import check_engine_options, is_deepspeed_engine, load_engine, save_engine
 from .errors import CheckpointError
@@ -60,6 +60,8 @@ class _LoadPlan:
     format: str
     saved_world_size: int
     rank_state: dict[str, Any] | None
+    #: The DDP bucket layout the saving run had rebuilt (:mod:`.ddp_buckets`), if the marker names one.
+    buckets: list[list[int]] | None = None
 
 
 def _check_root(root: Path) -> None:
@@ -324,16 +326,17 @@ class CheckpointManager:
         self.last_save["total_s"] = elapsed
         if self.rank != 0:
             return
-        layout.write_marker(
-            path,
-            {
-                "step": step,
-                "format": "deepspeed" if self.deepspeed else "dcp",
-                "world_size": self.world_size,
-                "async": is_async,
-                "files": file_sizes(path),
-            },
-        )
+        marker = {
+            "step": step,
+            "format": "deepspeed" if self.deepspeed else "dcp",
+            "world_size": self.world_size,
+            "async": is_async,
+            "files": file_sizes(path),
+        }
+        buckets = ddp_buckets.layout_of(self.model) if ddp_buckets.is_ddp(self.model) else None
+        if buckets is not None:  # a resumed run's new wrapper sums its first step's gradients as this run did
+            marker["ddp_buckets"] = buckets
+        layout.write_marker(path, marker)
         logger.info("checkpoint of step %d complete in %s (%.2f s)", step, path, elapsed)
         if self.keep_last is not None:
             layout.prune(self.root, self.keep_last)
@@ -518,7 +521,7 @@ class CheckpointManager:
             check_dcp_shards(path)
         saved_world_size = int(marker.get("world_size", 0))
         rank_state = read_rank_state(path, self.rank, self.world_size, saved_world_size)
-        return _LoadPlan(fmt, saved_world_size, rank_state)
+        return _LoadPlan(fmt, saved_world_size, rank_state, ddp_buckets.parse(marker.get("ddp_buckets")))
 
     def _apply(self, path: Path, plan: _LoadPlan) -> None:
         """Load checkpoint ``path`` into the training state (collective through DCP or DeepSpeed)."""
@@ -526,6 +529,10 @@ class CheckpointManager:
             load_engine(self.model, self.root, path, self.scheduler, self.stateful)
         else:
             self._load_dcp(path)
+            if ddp_buckets.is_ddp(self.model):  # the same answer on every rank: they read the same marker
+                why_not = ddp_buckets.lay_out(self.model, plan.buckets)
+                if why_not is not None:
+                    logger.debug("DDP's buckets start as a new wrapper's: %s", why_not)
         apply_rank_state(
             plan.rank_state, path, self.world_size, plan.saved_world_size,
             save_rng=self.save_rng, dataloader=self.dataloader,
