@@ -64,7 +64,7 @@ def lay_out(wrapper: Any, layout: Layout | None) -> str | None:
 
     if layout is None:
         return "no surviving rank knew the run's bucket layout (DDP records it at its third step)"
-    if getattr(wrapper, "_has_rebuilt_buckets", True):
+    if getattr(wrapper, "_has_rebuilt_buckets", True) or getattr(wrapper, "_lazy_init_ran", False):
         return "the wrapper has already run a step"
     for attr, why in (("mixed_precision", "DDP's own mixed precision"), ("_use_python_reducer", "the Python reducer"),
                       ("_comm_hooks", "a registered comm hook")):  # fmt: skip
