@@ -232,7 +232,7 @@ def _join_sharded(manager: Any, previous: Kept | None, rank: int, world: int) ->
     global _joined
     import torch.distributed as dist
 
-    from .shard_copy import filled
+    from .shard_copy import filled, recv_copy, send_copy
 
     copies = previous.copies if previous is not None else None
     mine = {**(copies.held() if copies is not None else {"own": [], "peer": []}),
@@ -252,18 +252,17 @@ def _join_sharded(manager: Any, previous: Kept | None, rank: int, world: int) ->
                       "died too)" if len(lost) == 1 else "more than one rank has no shard copy")  # fmt: skip
     target = max(steps)
     dead = lost[0]
+    group = _current.copies.group if _current is not None and _current.copies is not None else None  # gloo
     if rank == holder:
         assert copies is not None
-        dist.send_object_list([copies.peer[target]], dst=dead)
+        send_copy(copies.peer[target], dead, group)
     if rank == dead:
-        box: list[Any] = [None]
-        dist.recv_object_list(box, src=holder)
-        state = box[0]
+        copy = recv_copy(holder, group)
     else:
         assert copies is not None
-        state = copies.own[target]
-    _apply(manager, filled(manager, state))
-    apply_rank_state(state["rank_state"], manager.root, world, world, save_rng=manager.save_rng,
+        copy = copies.own[target]
+    _apply(manager, filled(manager, copy))
+    apply_rank_state(copy.skeleton["rank_state"], manager.root, world, world, save_rng=manager.save_rng,
                      dataloader=manager.dataloader)  # fmt: skip
     last = max((s["last"] for s in said if s["last"] is not None), default=target)
     return target, max(0, last - target)
