@@ -4,13 +4,15 @@ place, and after a resume from a checkpoint.
 DDP all-reduces gradients in buckets. A new ``DistributedDataParallel`` puts every parameter in one
 bucket for its first step, then rebuilds its buckets in the order the gradients became ready
 (about 25 MB each, the first 1 MB). After a replacement (or a restart) every rank builds a new
-wrapper, so the first step after it would reduce one bucket where the uninterrupted run reduced several.
+wrapper, so the first step after it would reduce one bucket where the uninterrupted run reduced
+several.
 With more than two ranks the ring all-reduce then adds each element's contributions in another
 order, and the parameters differ in their last bits from the run's.
 
 So each survivor remembers the layout its wrapper rebuilt (:func:`layout_of`, read once from DDP's
-own record of it), and a checkpoint's marker keeps it (:func:`parse` reads it back); at the join,
-or the resume, every rank's new wrapper gets that layout before its first step (:func:`lay_out`): its reducer is made again as DDP makes it when it is unpickled, with the
+own record of it, on the training thread), and a checkpoint's marker keeps it (:func:`parse` reads
+it back); at the join, or the resume, every rank's new wrapper gets that layout before its first
+step (:func:`lay_out`): its reducer is made again as DDP makes it when it is unpickled, with the
 given buckets. The wrapper still rebuilds after that step from the ready order, which gives the
 same layout. Where the wrapper is one this cannot redo faithfully (mixed precision, a comm hook,
 the Python reducer) it is left as it is and the reason is returned: the run goes on, equal to the

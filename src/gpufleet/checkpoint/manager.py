@@ -193,6 +193,7 @@ class CheckpointManager:
                 raise CheckpointError(f"the checkpoint folder {self.root} cannot be created: {e.strerror or e}; choose "
                                       "a folder you can write to (root=)") from None  # fmt: skip
         self._kept = in_memory.track(model, optimizers, scheduler, self.stateful, dataloader, save_rng, replica_every)
+        self._ddp_buckets: list[list[int]] | None = None  # read on the training thread, at a save (:mod:`.ddp_buckets`)
         from .preemption import watch_termination
 
         watch_termination()  # in a Slurm workload, a preemption's SIGTERM becomes a checkpoint (save_if_preempted)
@@ -274,6 +275,8 @@ class CheckpointManager:
         self.wait()
         started = time.perf_counter()
         self._prepare_dir(path)
+        if self._ddp_buckets is None and ddp_buckets.is_ddp(self.model):  # here: never beside the training
+            self._ddp_buckets = ddp_buckets.layout_of(self.model)
         if self.deepspeed:
             save_engine(self.model, self.root, path, step, self.scheduler, self.stateful)
             self._write_rank_state(path)
@@ -333,9 +336,8 @@ class CheckpointManager:
             "async": is_async,
             "files": file_sizes(path),
         }
-        buckets = ddp_buckets.layout_of(self.model) if ddp_buckets.is_ddp(self.model) else None
-        if buckets is not None:  # a resumed run's new wrapper sums its first step's gradients as this run did
-            marker["ddp_buckets"] = buckets
+        if self._ddp_buckets is not None:  # a resumed run's new wrapper sums its first step's gradients as this run did
+            marker["ddp_buckets"] = self._ddp_buckets
         layout.write_marker(path, marker)
         logger.info("checkpoint of step %d complete in %s (%.2f s)", step, path, elapsed)
         if self.keep_last is not None:
